@@ -1,0 +1,183 @@
+"""Public entry points: drop-in replacements for ``tf.gradients``."""
+
+import logging
+
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.framework import tensor as tf_tensor
+
+from memsave import plan as planning
+from memsave.graph import graph_tensor
+from memsave.graph.region import analyze, to_plan_graph
+from memsave.rewrite import plain_gradients, rewrite
+
+logger = logging.getLogger("memsave")
+
+STRATEGIES = ("memory", "speed", "collection")
+
+
+def _as_list(value, what):
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _check_graph_tensor(t, what):
+    if isinstance(t, tf_ops.EagerTensor):
+        raise TypeError(
+            "memsave.gradients got an eager tensor in %s; it rewrites graphs, so call it "
+            "inside a tf.function or a tf.compat.v1 Graph (for eager code, wrap the "
+            "training step in tf.function)." % what)
+    if not isinstance(t, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
+        raise TypeError("%s must hold tf.Tensor objects, got %r" % (what, t))
+
+
+def _validate(ys, xs, grad_ys):
+    if not ys:
+        raise ValueError("memsave.gradients: ys is empty")
+    if not xs:
+        raise ValueError("memsave.gradients: xs is empty; pass the tensors or variables "
+                         "to differentiate with respect to")
+    for y in ys:
+        _check_graph_tensor(y, "ys")
+    graph = ys[0].graph
+    for y in ys:
+        if y.graph is not graph:
+            raise ValueError("memsave.gradients: ys %s and %s live in different graphs"
+                             % (ys[0].name, y.name))
+    if grad_ys is not None and len(grad_ys) != len(ys):
+        raise ValueError("memsave.gradients: %d grad_ys for %d ys" % (len(grad_ys), len(ys)))
+    return graph
+
+
+def _resolve_xs(xs, graph):
+    resolved = []
+    for x in xs:
+        if isinstance(x, tf_ops.EagerTensor):
+            _check_graph_tensor(x, "xs")
+        try:
+            t = graph_tensor(x, graph)
+        except ValueError as e:
+            raise ValueError("memsave.gradients: %s" % e) from None
+        if not isinstance(t, tf_tensor.Tensor):
+            raise TypeError("xs must hold tf.Tensor or tf.Variable objects, got %r" % (x,))
+        if t.graph is not graph:
+            raise ValueError("memsave.gradients: x %s is not in the graph of ys (%s)"
+                             % (t.name, ys_graph_name(graph)))
+        resolved.append(t)
+    return resolved
+
+
+def ys_graph_name(graph):
+    return getattr(graph, "name", None) or repr(graph)
+
+
+def _resolve_grad_ys(grad_ys, ys, graph):
+    if grad_ys is None:
+        return None
+    out = []
+    for g, y in zip(grad_ys, ys):
+        if g is None:
+            out.append(None)
+            continue
+        if isinstance(g, tf_ops.EagerTensor) or not isinstance(
+                g, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
+            g = tf_ops.convert_to_tensor(g, dtype=y.dtype)
+        if g.graph is not graph:
+            raise ValueError("memsave.gradients: grad_ys for %s is in another graph" % y.name)
+        out.append(g)
+    return out
+
+
+def _explicit_checkpoints(items, graph, region):
+    tensors = []
+    for t in items:
+        if isinstance(t, tf_ops.Operation) or not isinstance(t, tf_tensor.Tensor):
+            raise TypeError("checkpoints must be tf.Tensor objects, got %r" % (t,))
+        if t.graph is not graph:
+            raise ValueError("checkpoint %s is in another graph than ys" % t.name)
+        tensors.append(t)
+    off_path = [t.name for t in tensors if t.op not in region.ops
+                and not any(t is x for x in region.xs) and not any(t is y for y in region.ys)]
+    if off_path:
+        logger.warning("memsave: %d checkpoint(s) are not between xs and ys and are not used: %s",
+                       len(off_path), ", ".join(off_path))
+    return [t.name for t in tensors if t.op in region.ops]
+
+
+def make_plan(region, checkpoints, min_checkpoint_size=1024):
+    """Run a strategy on the region; return a :class:`memsave.plan.Plan`."""
+    pg = to_plan_graph(region)
+    if isinstance(checkpoints, str):
+        if checkpoints == "memory":
+            return planning.memory(pg, min_checkpoint_size=min_checkpoint_size)
+        if checkpoints == "speed":
+            return planning.speed(pg)
+        if checkpoints == "collection":
+            names = _explicit_checkpoints(region.graph.get_collection("checkpoints"),
+                                          region.graph, region)
+            return planning.explicit(pg, names, strategy="collection")
+        raise ValueError("unknown checkpoints strategy %r; use one of %s or a list of tensors"
+                         % (checkpoints, ", ".join(repr(s) for s in STRATEGIES)))
+    if isinstance(checkpoints, (list, tuple)):
+        return planning.explicit(pg, _explicit_checkpoints(checkpoints, region.graph, region))
+    raise TypeError("checkpoints must be a strategy name (%s) or a list of tensors, got %r"
+                    % (", ".join(STRATEGIES), checkpoints))
+
+
+def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
+              name="gradients", **tf_gradients_kwargs):
+    """Like ``tf.gradients``, but recomputes forward activations to save memory.
+
+    ``checkpoints`` is 'memory', 'speed', 'collection' (tensors added to the
+    graph's 'checkpoints' collection) or a list of tensors to keep. Further
+    keyword arguments (``gate_gradients``, ``aggregation_method``,
+    ``stop_gradients``, ``unconnected_gradients``,
+    ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
+    Works in a ``tf.compat.v1`` Graph and inside ``tf.function``.
+    """
+    ys = _as_list(ys, "ys")
+    xs = _as_list(xs, "xs")
+    grad_ys = _as_list(grad_ys, "grad_ys")
+    graph = _validate(ys, xs, grad_ys)
+    with graph.as_default():
+        xs = _resolve_xs(xs, graph)
+        grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
+        region = analyze(ys, xs)
+        if not region.ops:
+            logger.warning("memsave: none of the ys depends on the xs; gradients are None")
+            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
+        chosen = make_plan(region, checkpoints, min_checkpoint_size)
+        logger.info("%s", chosen.summary())
+        kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
+        if not kept:
+            logger.info("memsave: no checkpoints; using plain tf.gradients")
+            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
+        return rewrite(region, kept, grad_ys=grad_ys, name=name, **tf_gradients_kwargs)
+
+
+def gradients_memory(ys, xs, grad_ys=None, **kwargs):
+    """``gradients`` with ``checkpoints='memory'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+
+
+def gradients_speed(ys, xs, grad_ys=None, **kwargs):
+    """``gradients`` with ``checkpoints='speed'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+
+
+def gradients_collection(ys, xs, grad_ys=None, **kwargs):
+    """``gradients`` with ``checkpoints='collection'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+
+
+def plan(ys, xs, checkpoints="memory", min_checkpoint_size=1024):
+    """The plan a strategy would execute, without rewriting anything."""
+    ys = _as_list(ys, "ys")
+    xs = _as_list(xs, "xs")
+    graph = _validate(ys, xs, None)
+    with graph.as_default():
+        region = analyze(ys, _resolve_xs(xs, graph))
+        return make_plan(region, checkpoints, min_checkpoint_size)

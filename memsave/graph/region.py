@@ -1,0 +1,156 @@
+"""The forward region between ``xs`` and ``ys`` and its planning graph.
+
+The region is every op on a path from an ``x`` to a ``y``: the ops a
+checkpointed backward pass may recompute. ``to_plan_graph`` exports it as a
+framework-free networkx DAG of tensors, which is all the planners see.
+"""
+
+import dataclasses
+import logging
+
+import networkx as nx
+
+from tensorflow.python.framework import ops as tf_ops
+
+from memsave.graph.stateful import is_pinned, written_handles
+from memsave.graph.walk import backward_ops, forward_ops, topo_order
+
+logger = logging.getLogger("memsave")
+
+# Ops whose outputs are worth keeping under the 'speed' strategy.
+EXPENSIVE_OP_TYPES = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "Conv", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
+    "DepthwiseConv2dNative", "_FusedMatMul", "_FusedConv2D",
+})
+
+
+def differentiable(t):
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+@dataclasses.dataclass
+class Region:
+    """Ops between ``xs`` and ``ys``, in a deterministic topological order."""
+
+    graph: tf_ops.Graph
+    ys: list
+    xs: list
+    order: list            # region ops, topological
+    ops: set               # the same, as a set
+    pinned: set            # region ops that must never be recomputed
+    forced: list           # tensors that must be checkpoints because of pinned ops
+
+    @property
+    def copyable(self):
+        return self.ops - self.pinned
+
+    def tensors(self):
+        """Region op outputs in topological order."""
+        return [t for op in self.order for t in op.outputs]
+
+
+def analyze(ys, xs):
+    """Find the region between graph tensors ``xs`` and ``ys``."""
+    graph = ys[0].graph
+    behind_ys = backward_ops([y.op for y in ys])
+    starts = [c for x in xs for c in x.consumers() if c in behind_ys]
+    x_ops = {x.op for x in xs}
+    ops = forward_ops(starts, within=behind_ys) - x_ops
+    order = topo_order(ops)
+    written = written_handles(graph, ops) if ops else set()
+    pinned = {op for op in order if is_pinned(op, written)}
+    x_refs = {x.ref() for x in xs}
+    forced, seen = [], set()
+
+    def force(t):
+        if t.ref() not in seen and t.ref() not in x_refs:
+            seen.add(t.ref())
+            forced.append(t)
+
+    for op in order:
+        if op not in pinned:
+            continue
+        for t in op.outputs:
+            force(t)
+        if tf_ops.get_gradient_function(op) is not None:
+            # Backprop runs through the original op, so its region inputs
+            # must be kept, and the backward walk must stop there.
+            for t in op.inputs:
+                if t.op in ops and differentiable(t):
+                    force(t)
+    if pinned:
+        logger.debug("memsave: %d op(s) are never recomputed: %s", len(pinned),
+                     ", ".join(sorted(op.name for op in pinned))[:500])
+    return Region(graph, list(ys), list(xs), order, ops, pinned, forced)
+
+
+def num_elements(shape):
+    """Element count with unknown dimensions taken as 1; None if rank unknown."""
+    if shape.rank is None:
+        return None
+    n = 1
+    for d in shape.as_list():
+        n *= d if d is not None else 1
+    return n
+
+
+def op_cost(op):
+    """Rough FLOPs to recompute ``op``: exact-ish for matmul/conv, else size."""
+    out = num_elements(op.outputs[0].shape) if op.outputs else 0
+    out = out or 1
+    try:
+        if op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+            a = op.inputs[0].shape
+            adj = op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x")
+            k = a[-2] if adj else a[-1]
+            return 2.0 * out * (k or 1)
+        if op.type.startswith("Conv") or op.type == "DepthwiseConv2dNative":
+            w = op.inputs[1].shape
+            if w.rank is not None:
+                kernel = num_elements(w[:-1]) if op.type != "DepthwiseConv2dNative" else num_elements(w[:-2])
+                return 2.0 * out * (kernel or 1)
+        if op.type == "Einsum":
+            ins = sum((num_elements(t.shape) or 1) for t in op.inputs)
+            return 2.0 * max(out, ins)
+    except (ValueError, TypeError, IndexError):
+        pass
+    return float(out)
+
+
+def to_plan_graph(region):
+    """Export the region as a networkx DAG over tensor names.
+
+    Nodes are tensors (region op outputs, and the xs). Edges go from each
+    input of a region op to each of its outputs. Node attributes: ``order``
+    (topological index), ``elements``/``bytes`` (None when the rank is
+    unknown; unknown dimensions count as 1), ``cost`` (FLOPs of the producing
+    op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept) and
+    ``candidate`` (may be chosen as a checkpoint).
+    """
+    g = nx.DiGraph()
+    y_names = {y.name for y in region.ys}
+    forced = {t.name for t in region.forced}
+    for i, x in enumerate(region.xs):
+        g.add_node(x.name, order=-len(region.xs) + i, elements=num_elements(x.shape),
+                   bytes=None, cost=0.0, op_type=x.op.type, x=True, y=False,
+                   forced=False, candidate=False)
+    x_names = {x.name for x in region.xs}
+    index = 0
+    for op in region.order:
+        cost = op_cost(op)
+        # A variable read aliases the variable's buffer: no activation memory.
+        alias = op.type == "ReadVariableOp"
+        for t in op.outputs:
+            n = num_elements(t.shape)
+            g.add_node(t.name, order=index, elements=n,
+                       bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
+                       cost=cost, op_type=op.type, x=False, y=t.name in y_names,
+                       forced=t.name in forced,
+                       candidate=(differentiable(t) and t.name not in y_names
+                                  and op not in region.pinned and not alias))
+            index += 1
+            for i in op.inputs:
+                if i.op in region.ops or i.name in x_names:
+                    g.add_edge(i.name, t.name)
+    return g

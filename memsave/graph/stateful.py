@@ -1,0 +1,117 @@
+"""Which ops must never be recomputed.
+
+Recomputing a stateful random op draws a new sample (unseeded dropout would
+use a different mask in the backward pass), a ``tf.random.Generator`` read
+advances its state again, and a Python function may have side effects. Such
+ops are *pinned*: the rewriter keeps their outputs as checkpoints instead of
+copying them. Unknown stateful ops are pinned too; being wrong that way only
+costs memory, never correctness.
+"""
+
+from tensorflow.python.framework import op_def_registry
+
+from memsave.graph.walk import forward_ops
+
+# Stateful ops that are safe to run again within the same step.
+RECOMPUTABLE_STATEFUL = frozenset({
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "Assert",
+})
+
+# Reads of a variable: safe to repeat unless the variable is written in the graph.
+VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+
+# Ops declared stateless that still must not run twice.
+ALWAYS_PINNED = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+# Ops whose function attributes hold bodies we inspect instead of the op flag.
+FUNCTION_CALLS = frozenset({
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall",
+})
+
+# Non-writing consumers of a resource handle.
+_HANDLE_READERS = VARIABLE_READS | {"VariableShape", "VarIsInitializedOp"}
+
+
+def _function_names(node_attrs):
+    for value in node_attrs.values():
+        if value.HasField("func"):
+            yield value.func.name
+        elif value.HasField("list"):
+            for f in value.list.func:
+                yield f.name
+
+
+def _find_function(graph, name):
+    # Bodies may be registered in an enclosing graph of a FuncGraph.
+    while graph is not None:
+        fn = graph._get_function(name)  # pylint: disable=protected-access
+        if fn is not None:
+            return fn
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def _body_is_pinned(graph, names, seen):
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        fn = _find_function(graph, name)
+        if fn is None:
+            return True  # unknown body: be safe
+        fdef = fn.cached_definition if hasattr(fn, "cached_definition") else fn.definition
+        for node in fdef.node_def:
+            if node.op in ALWAYS_PINNED:
+                return True
+            op_def = op_def_registry.get(node.op)
+            if op_def is None:  # a call of a library function by name
+                if _body_is_pinned(graph, [node.op, *_function_names(node.attr)], seen):
+                    return True
+            elif node.op in FUNCTION_CALLS:
+                if _body_is_pinned(graph, _function_names(node.attr), seen):
+                    return True
+            elif op_def.is_stateful and node.op not in RECOMPUTABLE_STATEFUL:
+                return True
+    return False
+
+
+def written_handles(graph, region_ops):
+    """Refs of resource handles written by an op that runs after ``region_ops``.
+
+    Only such writes can change a variable between a forward read and its
+    recomputation. Writes that do not depend on the region (initializers,
+    ``tf.random.Generator``-style state updates made from constants) run
+    outside the step or before the read, and leave re-reads exact.
+    """
+    writers = {}
+    for op in graph.get_operations():
+        for t in op.outputs:
+            if t.dtype.name != "resource":
+                continue
+            for consumer in t.consumers():
+                if consumer.type not in _HANDLE_READERS:
+                    writers.setdefault(consumer, []).append(t.ref())
+    if not writers:
+        return set()
+    after = forward_ops(region_ops, control=True)
+    return {ref for op, handle_refs in writers.items() if op in after for ref in handle_refs}
+
+
+def is_pinned(op, written=frozenset()):
+    """True if ``op`` must not be recomputed.
+
+    ``written`` holds refs of resource handles that are written in the graph:
+    re-reading such a variable in the backward pass could see a new value
+    (e.g. a Keras seed generator advanced during the forward pass).
+    """
+    if op.type in ALWAYS_PINNED:
+        return True
+    if op.type in VARIABLE_READS:
+        return op.inputs[0].ref() in written
+    if op.type in FUNCTION_CALLS:
+        if any(t.dtype.name == "resource" and t.ref() in written for t in op.inputs):
+            return True
+        return _body_is_pinned(op.graph, _function_names(op.node_def.attr), set())
+    return op.op_def.is_stateful and op.type not in RECOMPUTABLE_STATEFUL

@@ -1,0 +1,82 @@
+"""The result of a strategy: what to keep, and what we expect it to cost."""
+
+import dataclasses
+import math
+
+import networkx as nx
+
+
+@dataclasses.dataclass
+class Plan:
+    """Checkpoints chosen by a strategy, with memory estimates.
+
+    ``checkpoints`` are tensor names in topological order, chosen by the
+    strategy; ``forced`` are tensors that must be kept whatever the strategy
+    (outputs of ops that must not be recomputed). Byte estimates count
+    activations only, from static shapes (unknown dimensions taken as 1).
+    """
+
+    strategy: str
+    checkpoints: list
+    forced: list = dataclasses.field(default_factory=list)
+    estimated_peak_bytes: int = 0
+    plain_peak_bytes: int = 0
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def kept(self):
+        """Every tensor kept for the backward pass: chosen plus forced."""
+        seen = set(self.checkpoints)
+        return list(self.checkpoints) + [n for n in self.forced if n not in seen]
+
+    def summary(self):
+        def mb(b):
+            return "%.1f MB" % (b / 2**20)
+        lines = ["memsave plan (%s): %d checkpoint(s), %d forced" % (
+            self.strategy, len(self.checkpoints), len(self.forced))]
+        lines.append("  estimated activation peak: %s (plain: %s)" % (
+            mb(self.estimated_peak_bytes), mb(self.plain_peak_bytes)))
+        shown = ", ".join(self.checkpoints[:8]) + (" ..." if len(self.checkpoints) > 8 else "")
+        if shown:
+            lines.append("  checkpoints: " + shown)
+        lines.extend("  note: " + n for n in self.notes)
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def node_bytes(graph, name):
+    b = graph.nodes[name].get("bytes")
+    return 0 if b is None else b
+
+
+def estimate(graph, kept):
+    """(estimated peak with ``kept`` checkpoints, plain peak) in bytes.
+
+    Plain backprop keeps every activation; a checkpointed one keeps the
+    checkpoints plus one recomputed segment at a time (the largest bounds
+    the peak). Segments are the pieces left when the kept tensors are cut
+    out of the graph.
+    """
+    activations = [n for n, d in graph.nodes(data=True) if not d.get("x")]
+    plain = sum(node_bytes(graph, n) for n in activations)
+    kept = set(kept)
+    rest = graph.subgraph(n for n in activations if n not in kept)
+    biggest = max((sum(node_bytes(graph, n) for n in comp)
+                   for comp in nx.weakly_connected_components(rest)), default=0)
+    return sum(node_bytes(graph, n) for n in kept) + biggest, plain
+
+
+def topological(graph, names):
+    """``names`` sorted by the graph's ``order`` attribute."""
+    return sorted(names, key=lambda n: graph.nodes[n]["order"])
+
+
+def equispaced(items, count):
+    """``count`` items spread evenly over ``items`` (all when fewer)."""
+    if count >= len(items):
+        return list(items)
+    if count <= 0:
+        return []
+    step = len(items) / count
+    return [items[min(len(items) - 1, int(math.floor((k + 0.5) * step)))] for k in range(count)]

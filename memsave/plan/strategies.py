@@ -1,0 +1,150 @@
+"""Checkpoint strategies over a planning graph (no TensorFlow here).
+
+A planning graph is a networkx DiGraph of tensors as built by
+``memsave.graph.region.to_plan_graph``: nodes carry ``order``, ``elements``,
+``bytes``, ``cost``, ``op_type`` and the flags ``x``, ``y``, ``forced`` and
+``candidate``. Every strategy returns a :class:`~memsave.plan.plan.Plan`.
+"""
+
+import logging
+import math
+
+import networkx as nx
+
+from memsave.plan.plan import Plan, equispaced, estimate, topological
+
+logger = logging.getLogger("memsave")
+
+SPEED_OP_TYPES = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "Conv", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
+    "DepthwiseConv2dNative", "_FusedMatMul", "_FusedConv2D",
+})
+
+_SINK = ("memsave", "sink")
+
+
+class NoBottleneckError(ValueError):
+    """The 'memory' strategy found no single-tensor bottleneck."""
+
+
+def _forced(graph):
+    return topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
+
+
+def _make_plan(graph, strategy, chosen, notes=()):
+    chosen = topological(graph, set(chosen))
+    forced = _forced(graph)
+    peak, plain = estimate(graph, set(chosen) | set(forced))
+    return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
+                estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes))
+
+
+def explicit(graph, names, strategy="list"):
+    """Keep exactly ``names`` (those that are valid checkpoints).
+
+    Names that are xs or ys are ignored (DEBUG log); names off the xs->ys
+    path are reported by the caller before they reach here.
+    """
+    chosen = []
+    for n in names:
+        data = graph.nodes.get(n)
+        if data is None:
+            continue
+        if data.get("x") or data.get("y"):
+            logger.debug("memsave: checkpoint %s is an x or a y; ignored", n)
+            continue
+        chosen.append(n)
+    return _make_plan(graph, strategy, chosen)
+
+
+def speed(graph, op_types=SPEED_OP_TYPES):
+    """Keep the outputs of expensive ops (matmuls, convolutions, einsums).
+
+    Backprop then recomputes only cheap elementwise work, so the step time
+    barely rises; memory drops less than with 'memory'.
+    """
+    chosen = [n for n, d in graph.nodes(data=True)
+              if d.get("candidate") and d.get("op_type") in op_types]
+    notes = [] if chosen else ["no matmul/conv/einsum outputs between xs and ys"]
+    return _make_plan(graph, "speed", chosen, notes)
+
+
+def bottlenecks(graph):
+    """Tensors whose removal cuts some activations off from the ys.
+
+    These are the articulation points of the undirected region (with a sink
+    joined to every y) that separate at least one non-x tensor from the
+    sink: everything on the far side is an ancestor that the checkpoint
+    lets backprop forget. Returned in topological order.
+    """
+    und = nx.Graph(graph.to_undirected(as_view=True))
+    ys = [n for n, d in graph.nodes(data=True) if d.get("y")]
+    und.add_edges_from((_SINK, y) for y in ys)
+    if und.number_of_nodes() < 3:
+        return []
+    aps = set(nx.articulation_points(und))
+    if not aps:
+        return []
+
+    def weight(n):
+        return 0 if n == _SINK or graph.nodes[n].get("x") else 1
+
+    # Block-cut tree rooted at the sink; a cut vertex's subtree below it is
+    # exactly what its removal disconnects from the sink.
+    tree = nx.Graph()
+    own = {}
+    root = ("cut", _SINK) if _SINK in aps else None
+    for i, block in enumerate(nx.biconnected_components(und)):
+        node = ("block", i)
+        own[node] = sum(weight(n) for n in block if n not in aps)
+        tree.add_node(node)
+        if root is None and _SINK in block:
+            root = node
+        tree.add_edges_from((node, ("cut", n)) for n in block if n in aps)
+    for n in aps:
+        own[("cut", n)] = weight(n)
+    parents = dict(nx.bfs_predecessors(tree, root))
+    below = dict(own)
+    for node in reversed([root] + list(parents)):
+        if node in parents:
+            below[parents[node]] += below[node]
+    found = []
+    for n in aps:
+        if n == _SINK:
+            continue
+        node = ("cut", n)
+        if node in parents and below[node] - weight(n) > 0:
+            found.append(n)
+    return topological(graph, found)
+
+
+def memory(graph, min_checkpoint_size=1024):
+    """Keep about sqrt(N) equispaced bottleneck tensors.
+
+    N is the number of activations of at least ``min_checkpoint_size``
+    elements. Small tensors are never chosen: keeping them saves nothing.
+    Raises :class:`NoBottleneckError` when the graph has no bottleneck
+    (e.g. a U-Net, whose skip connections bypass every tensor).
+    """
+    if min_checkpoint_size < 0:
+        raise ValueError("min_checkpoint_size must be >= 0, got %r" % (min_checkpoint_size,))
+
+    def big(n):
+        e = graph.nodes[n].get("elements")
+        return e is None or e >= min_checkpoint_size
+
+    sized = [n for n, d in graph.nodes(data=True) if d.get("candidate") and big(n)]
+    found = [n for n in bottlenecks(graph) if graph.nodes[n].get("candidate") and big(n)]
+    if not found:
+        raise NoBottleneckError(
+            "checkpoints='memory' found no bottleneck tensor (of at least %d elements) "
+            "between xs and ys: every activation is bypassed by another path, as in "
+            "U-Nets or dense blocks. Use checkpoints='speed', checkpoints='collection' "
+            "with tensors added to the 'checkpoints' collection, or pass an explicit "
+            "list of tensors." % min_checkpoint_size)
+    count = int(math.ceil(math.sqrt(len(sized))))
+    chosen = equispaced(found, count)
+    return _make_plan(graph, "memory", chosen,
+                      ["%d bottleneck(s) among %d activations; kept %d" % (
+                          len(found), len(sized), len(chosen))])
