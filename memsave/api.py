@@ -2,6 +2,7 @@
 
 import logging
 
+from tensorflow.python.autograph.impl.api import do_not_convert
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor as tf_tensor
@@ -127,6 +128,9 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024):
                     % (", ".join(STRATEGIES), checkpoints))
 
 
+# Graph rewriting is plain Python: autograph must not convert it when it is
+# called inside a tf.function.
+@do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
               name="gradients", **tf_gradients_kwargs):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
@@ -173,6 +177,7 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 
+@do_not_convert
 def plan(ys, xs, checkpoints="memory", min_checkpoint_size=1024):
     """The plan a strategy would execute, without rewriting anything."""
     ys = _as_list(ys, "ys")

@@ -1,0 +1,32 @@
+"""memsave: gradient checkpointing for TensorFlow 2 graphs."""
+
+import pathlib
+
+from setuptools import find_packages, setup
+
+HERE = pathlib.Path(__file__).parent
+
+setup(
+    name="memsave",
+    version="0.1.0",
+    description="Drop-in tf.gradients replacement that recomputes activations to save memory",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=find_packages(include=["memsave", "memsave.*"]),
+    # TensorFlow comes in flavours (tensorflow, tensorflow-cpu, ...): pick one
+    # with an extra, or bring your own.
+    install_requires=["numpy", "networkx>=3", "toposort>=1.7"],
+    extras_require={
+        "cpu": ["tensorflow-cpu==2.21.0"],
+        "gpu": ["tensorflow==2.21.0"],
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.7"],
+    },
+    classifiers=[
+        "License :: OSI Approved :: MIT License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,35 @@
+"""memsave's gradients equal plain tf.gradients on many graphs, in both modes."""
+
+import pytest
+
+import memsave
+from tests import models
+from tests.helpers import assert_same, run_function, run_session
+
+STRATEGIES = ["memory", "speed", "collection", "list"]
+MODES = {"session": run_session, "function": run_function}
+
+# Graphs where 'memory' legitimately finds no single-tensor bottleneck.
+NO_BOTTLENECK = set()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", sorted(models.ALL))
+def test_gradients_equal_plain(name, strategy, mode):
+    model = models.ALL[name]()
+    if strategy == "memory" and name in NO_BOTTLENECK:
+        with pytest.raises(memsave.NoBottleneckError):
+            MODES[mode](model, strategy)
+        return
+    pattern, values = MODES[mode](model, strategy)
+    assert_same(pattern, values)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_unconnected_zero(mode):
+    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+    pattern, values = MODES[mode](models.Unconnected(), "memory",
+                                  unconnected_gradients=UnconnectedGradients.ZERO)
+    assert pattern == ([False] * 4, [False] * 4)
+    assert_same(pattern, values)
