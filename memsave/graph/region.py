@@ -25,6 +25,40 @@ EXPENSIVE_OP_TYPES = frozenset({
 })
 
 
+# What each op's gradient reads besides the incoming gradient: its inputs,
+# its outputs, or neither. Unknown ops are assumed to read both. This is what
+# backprop keeps alive, so it drives the memory estimates.
+_GRAD_READS_NOTHING = frozenset({
+    "Add", "AddV2", "AddN", "Sub", "BiasAdd", "Identity", "IdentityN", "Neg", "Reshape",
+    "ConcatV2", "Concat", "Split", "SplitV", "Transpose", "StopGradient", "Sum", "Mean",
+    "Pad", "Slice", "StridedSlice", "Cast", "ExpandDims", "Squeeze", "Tile", "Pack",
+    "Unpack", "ZerosLike", "OnesLike", "Shape", "Size", "Rank", "Fill", "BroadcastTo",
+    "GatherV2", "ResourceGather", "ReadVariableOp", "Const", "SelectV2", "Select",
+})
+_GRAD_READS_OUTPUTS = frozenset({
+    "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
+    "Softmax", "Reciprocal", "Inv",
+})
+_GRAD_READS_INPUTS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+    "Conv3D", "DepthwiseConv2dNative", "Conv", "Mul", "Div", "RealDiv", "DivNoNan",
+    "Maximum", "Minimum", "SquaredDifference", "Square", "Log", "Log1p", "Sin", "Cos",
+    "Abs", "LeakyRelu", "Softplus", "Erf", "FusedBatchNorm", "FusedBatchNormV2",
+    "FusedBatchNormV3", "MaxPool", "AvgPool", "Conv2DBackpropInput",
+})
+
+
+def grad_reads(op):
+    """(inputs read, outputs read) by ``op``'s gradient."""
+    if op.type in _GRAD_READS_NOTHING:
+        return (), ()
+    if op.type in _GRAD_READS_OUTPUTS:
+        return (), op.outputs
+    if op.type in _GRAD_READS_INPUTS:
+        return op.inputs, ()
+    return op.inputs, op.outputs
+
+
 def differentiable(t):
     return t.dtype.is_floating or t.dtype.is_complex
 
@@ -125,10 +159,16 @@ def to_plan_graph(region):
     input of a region op to each of its outputs. Node attributes: ``order``
     (topological index), ``elements``/``bytes`` (None when the rank is
     unknown; unknown dimensions count as 1), ``cost`` (FLOPs of the producing
-    op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept) and
+    op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
+    ``saved`` (read by some gradient, so backprop keeps it alive) and
     ``candidate`` (may be chosen as a checkpoint).
     """
     g = nx.DiGraph()
+    saved = set()
+    for op in region.order:
+        ins, outs = grad_reads(op)
+        saved.update(t.name for t in ins if differentiable(t))
+        saved.update(t.name for t in outs if differentiable(t))
     y_names = {y.name for y in region.ys}
     forced = {t.name for t in region.forced}
     for i, x in enumerate(region.xs):
@@ -146,7 +186,7 @@ def to_plan_graph(region):
             g.add_node(t.name, order=index, elements=n,
                        bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
                        cost=cost, op_type=op.type, x=False, y=t.name in y_names,
-                       forced=t.name in forced,
+                       forced=t.name in forced, saved=t.name in saved,
                        candidate=(differentiable(t) and t.name not in y_names
                                   and op not in region.pinned and not alias))
             index += 1

@@ -11,7 +11,7 @@ import math
 
 import networkx as nx
 
-from memsave.plan.plan import Plan, equispaced, estimate, topological
+from memsave.plan.plan import Plan, estimate, node_bytes, saved_bytes, topological
 
 logger = logging.getLogger("memsave")
 
@@ -32,10 +32,12 @@ def _forced(graph):
     return topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
 
 
-def _make_plan(graph, strategy, chosen, notes=()):
+def _make_plan(graph, strategy, chosen, notes=(), peak=None):
     chosen = topological(graph, set(chosen))
     forced = _forced(graph)
-    peak, plain = estimate(graph, set(chosen) | set(forced))
+    generic, plain = estimate(graph, set(chosen) | set(forced))
+    if peak is None or forced:
+        peak = generic
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
                 estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes))
 
@@ -74,8 +76,8 @@ def bottlenecks(graph):
     """Tensors whose removal cuts some activations off from the ys.
 
     These are the articulation points of the undirected region (with a sink
-    joined to every y) that separate at least one non-x tensor from the
-    sink: everything on the far side is an ancestor that the checkpoint
+    joined to every y) that separate some activation bytes from the sink
+    (cutting off only an x and its variable read does not count): everything on the far side is an ancestor that the checkpoint
     lets backprop forget. Returned in topological order.
     """
     und = nx.Graph(graph.to_undirected(as_view=True))
@@ -88,7 +90,11 @@ def bottlenecks(graph):
         return []
 
     def weight(n):
-        return 0 if n == _SINK or graph.nodes[n].get("x") else 1
+        # Activation bytes (unknown size counts); xs and variable reads hold none.
+        if n == _SINK or graph.nodes[n].get("x"):
+            return 0
+        b = graph.nodes[n].get("bytes")
+        return 1 if b is None else b
 
     # Block-cut tree rooted at the sink; a cut vertex's subtree below it is
     # exactly what its removal disconnects from the sink.
@@ -120,10 +126,13 @@ def bottlenecks(graph):
 
 
 def memory(graph, min_checkpoint_size=1024):
-    """Keep about sqrt(N) equispaced bottleneck tensors.
+    """Keep about sqrt(N) bottleneck tensors, spaced to minimize the peak.
 
-    N is the number of activations of at least ``min_checkpoint_size``
-    elements. Small tensors are never chosen: keeping them saves nothing.
+    Bottlenecks are tensors of at least ``min_checkpoint_size`` elements
+    that cut the graph (see :func:`bottlenecks`); how many are kept and
+    where follows the peak model of :func:`_best_spacing`, which lands near
+    the square root of the depth.
+    Small tensors are never chosen: keeping them saves nothing.
     Raises :class:`NoBottleneckError` when the graph has no bottleneck
     (e.g. a U-Net, whose skip connections bypass every tensor).
     """
@@ -143,8 +152,53 @@ def memory(graph, min_checkpoint_size=1024):
             "U-Nets or dense blocks. Use checkpoints='speed', checkpoints='collection' "
             "with tensors added to the 'checkpoints' collection, or pass an explicit "
             "list of tensors." % min_checkpoint_size)
-    count = int(math.ceil(math.sqrt(len(sized))))
-    chosen = equispaced(found, count)
+    chosen, peak = _best_spacing(graph, found)
     return _make_plan(graph, "memory", chosen,
                       ["%d bottleneck(s) among %d activations; kept %d" % (
-                          len(found), len(sized), len(chosen))])
+                          len(found), len(sized), len(chosen))], peak=peak)
+
+
+def _best_spacing(graph, found):
+    """Bottlenecks spaced so that the modelled peak is as low as possible.
+
+    Segments are processed from the ys down; while the segment just above
+    checkpoint i is recomputed, checkpoints 1..i are still alive (those
+    above were consumed already). So the peak is the worst, over segments, of
+    the checkpoints below it plus the segment's saved bytes. Lower segments
+    can therefore be longer than upper ones: for a uniform chain of n layers
+    this keeps about sqrt(2n) checkpoints and peaks near sqrt(2n) layers,
+    where equal spacing peaks near 2*sqrt(n). We binary-search the peak and
+    place checkpoints greedily (each as far up as the peak allows).
+    Returns (checkpoints, modelled peak bytes).
+    """
+    running, position = 0, {}
+    for n in topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")]):
+        running += saved_bytes(graph, n)
+        position[n] = running
+    sizes = [node_bytes(graph, n) for n in found]
+    cuts = [position[n] for n in found]
+
+    def place(peak):
+        chosen, alive, last, i = [], 0, 0, 0
+        while running - last > peak - alive:
+            best = None
+            while i < len(found) and cuts[i] - last <= peak - alive:
+                if cuts[i] > last:
+                    best = i
+                i += 1
+            if best is None:
+                return None
+            chosen.append(found[best])
+            alive += sizes[best]
+            last = cuts[best]
+            i = best + 1
+        return chosen
+
+    low, high = 0, running
+    while low < high:
+        mid = (low + high) // 2
+        if place(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    return place(low), low
