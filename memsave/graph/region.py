@@ -84,6 +84,14 @@ class Region:
         return [t for op in self.order for t in op.outputs]
 
 
+def has_gradient(op):
+    """True if TensorFlow can backprop through ``op``."""
+    try:
+        return tf_ops.get_gradient_function(op) is not None
+    except LookupError:
+        return False
+
+
 def analyze(ys, xs):
     """Find the region between graph tensors ``xs`` and ``ys``."""
     graph = ys[0].graph
@@ -107,7 +115,7 @@ def analyze(ys, xs):
             continue
         for t in op.outputs:
             force(t)
-        if tf_ops.get_gradient_function(op) is not None:
+        if has_gradient(op):
             # Backprop runs through the original op, so its region inputs
             # must be kept, and the backward walk must stop there.
             for t in op.inputs:
