@@ -7,7 +7,8 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor as tf_tensor
 
-from memsave import plan as planning
+# ``memsave.plan`` is also the public function below, so import the modules.
+from memsave.plan import strategies as planning
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
 from memsave.rewrite import plain_gradients, rewrite

@@ -84,28 +84,30 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
             return copies[t.op].outputs[t.value_index]
         return t
 
+    # Control inputs go straight onto the new ops: a control_dependencies()
+    # block would also mark each dependency with an attribute, mutating ops
+    # a Session may already have run.
     with graph.name_scope(None), graph.control_dependencies(None):
-        with graph.control_dependencies(wait_for):
-            for op in order:
-                new = graph._create_op_internal(  # pylint: disable=protected-access
-                    op.type,
-                    [source(t) for t in op.inputs],
-                    dtypes=[o.dtype for o in op.outputs],
-                    input_types=op._input_types,  # pylint: disable=protected-access
-                    name="%s/%s" % (scope, op.name),
-                    attrs=dict(op.node_def.attr),
-                    op_def=op.op_def,
-                    compute_device=False)
-                new._set_device(op.device)  # pylint: disable=protected-access
-                new._gradient_function = op._gradient_function  # pylint: disable=protected-access
-                for old_t, new_t in zip(op.outputs, new.outputs):
-                    new_t.set_shape(old_t.shape)
-                    handle_data_util.copy_handle_data(old_t, new_t)
-                inner = [copies.get(c, c) for c in op.control_inputs]
-                if inner:
-                    new._add_control_inputs(inner)  # pylint: disable=protected-access
-                copies[op] = new
-                _created_ops.add(new)
+        for op in order:
+            new = graph._create_op_internal(  # pylint: disable=protected-access
+                op.type,
+                [source(t) for t in op.inputs],
+                dtypes=[o.dtype for o in op.outputs],
+                input_types=op._input_types,  # pylint: disable=protected-access
+                name="%s/%s" % (scope, op.name),
+                attrs=dict(op.node_def.attr),
+                op_def=op.op_def,
+                compute_device=False)
+            new._set_device(op.device)  # pylint: disable=protected-access
+            new._gradient_function = op._gradient_function  # pylint: disable=protected-access
+            for old_t, new_t in zip(op.outputs, new.outputs):
+                new_t.set_shape(old_t.shape)
+                handle_data_util.copy_handle_data(old_t, new_t)
+            control = [copies.get(c, c) for c in op.control_inputs] + wait_for
+            if control:
+                new._add_control_inputs(control)  # pylint: disable=protected-access
+            copies[op] = new
+            _created_ops.add(new)
     return copies
 
 
