@@ -18,7 +18,7 @@ logger = logging.getLogger("memsave")
 STRATEGIES = ("memory", "speed", "collection")
 
 
-def _as_list(value, what):
+def _as_list(value):
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
@@ -67,13 +67,9 @@ def _resolve_xs(xs, graph):
             raise TypeError("xs must hold tf.Tensor or tf.Variable objects, got %r" % (x,))
         if t.graph is not graph:
             raise ValueError("memsave.gradients: x %s is not in the graph of ys (%s)"
-                             % (t.name, ys_graph_name(graph)))
+                             % (t.name, getattr(graph, "name", None) or repr(graph)))
         resolved.append(t)
     return resolved
-
-
-def ys_graph_name(graph):
-    return getattr(graph, "name", None) or repr(graph)
 
 
 def _resolve_grad_ys(grad_ys, ys, graph):
@@ -143,9 +139,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
     Works in a ``tf.compat.v1`` Graph and inside ``tf.function``.
     """
-    ys = _as_list(ys, "ys")
-    xs = _as_list(xs, "xs")
-    grad_ys = _as_list(grad_ys, "grad_ys")
+    ys = _as_list(ys)
+    xs = _as_list(xs)
+    grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
     with graph.as_default():
         xs = _resolve_xs(xs, graph)
@@ -181,8 +177,8 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 @do_not_convert
 def plan(ys, xs, checkpoints="memory", min_checkpoint_size=1024):
     """The plan a strategy would execute, without rewriting anything."""
-    ys = _as_list(ys, "ys")
-    xs = _as_list(xs, "xs")
+    ys = _as_list(ys)
+    xs = _as_list(xs)
     graph = _validate(ys, xs, None)
     with graph.as_default():
         region = analyze(ys, _resolve_xs(xs, graph))

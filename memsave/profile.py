@@ -1,9 +1,10 @@
 """Measure peak memory of one step (and estimate it before running).
 
-TensorFlow's CPU allocator only keeps statistics when it is the BFC
-allocator, which needs ``TF_CPU_ALLOCATOR_USE_BFC=true`` in the environment
-before TensorFlow is imported. One inter-op thread makes the schedule, and so
-the peak, repeatable (about 1% on CPU).
+The figure is the allocator's peak above the pre-step baseline, from
+``tf.config.experimental.get_memory_info``. On CPU it is repeatable (about 1%
+for Session runs) with the BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``,
+read when the TensorFlow runtime starts) and one inter-op thread, which fixes
+the execution order.
 """
 
 import logging
@@ -22,8 +23,8 @@ def _warn_once(message):
         logger.warning(message)
 
 
-ENV_HINT = ("set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before importing "
-            "TensorFlow (the default CPU allocator keeps no statistics)")
+ENV_HINT = ("set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow "
+            "runs its first op")
 
 
 def default_device():

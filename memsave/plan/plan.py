@@ -1,8 +1,6 @@
 """The result of a strategy: what to keep, and what we expect it to cost."""
 
 import dataclasses
-import math
-
 import networkx as nx
 
 
@@ -76,13 +74,3 @@ def estimate(graph, kept):
 def topological(graph, names):
     """``names`` sorted by the graph's ``order`` attribute."""
     return sorted(names, key=lambda n: graph.nodes[n]["order"])
-
-
-def equispaced(items, count):
-    """``count`` items spread evenly over ``items`` (all when fewer)."""
-    if count >= len(items):
-        return list(items)
-    if count <= 0:
-        return []
-    step = len(items) / count
-    return [items[min(len(items) - 1, int(math.floor((k + 0.5) * step)))] for k in range(count)]

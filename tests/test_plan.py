@@ -1,0 +1,79 @@
+"""Strategies on plain networkx graphs: no TensorFlow involved."""
+
+import math
+
+import networkx as nx
+import pytest
+
+from memsave import plan as _  # noqa: F401  (package import works)
+from memsave.plan import NoBottleneckError, bottlenecks, explicit, memory, speed
+
+MB = 2**20
+
+
+def _node(g, name, order, op_type="Tanh", x=False, y=False, saved=True, size=MB):
+    g.add_node(name, order=order, elements=size // 4, bytes=0 if x else size, cost=1.0,
+               op_type=op_type, x=x, y=y, forced=False, saved=saved,
+               candidate=not (x or y))
+
+
+def chain(n):
+    """x -> a0 -> a1 -> ... -> y, one saved activation per layer."""
+    g = nx.DiGraph()
+    _node(g, "x", -1, x=True)
+    prev = "x"
+    for i in range(n):
+        _node(g, "a%d" % i, i, op_type="MatMul" if i % 2 else "Tanh")
+        g.add_edge(prev, "a%d" % i)
+        prev = "a%d" % i
+    _node(g, "y", n, y=True)
+    g.add_edge(prev, "y")
+    return g
+
+
+def test_memory_on_a_chain_keeps_about_sqrt_2n():
+    for n in (16, 100, 400):
+        p = memory(chain(n))
+        k = len(p.checkpoints)
+        assert 0.5 * math.sqrt(2 * n) <= k <= 2 * math.sqrt(2 * n), (n, k)
+        # The modelled peak is near sqrt(2n) activations, far below n.
+        assert p.estimated_peak_bytes <= 2 * math.sqrt(2 * n) * MB
+        assert p.plain_peak_bytes == (n + 1) * MB  # every activation, y included
+
+
+def test_bottlenecks_skip_bypassed_tensors():
+    g = chain(6)
+    g.add_edge("a1", "a4")  # a skip over a2 and a3
+    found = bottlenecks(g)
+    assert "a2" not in found and "a3" not in found
+    assert {"a1", "a4", "a5"} <= set(found)
+
+
+def test_no_bottleneck_raises_with_alternatives():
+    g = nx.DiGraph()
+    _node(g, "x", -1, x=True)
+    _node(g, "a", 0)
+    _node(g, "b", 1)
+    _node(g, "y", 2, y=True)
+    g.add_edges_from([("x", "a"), ("x", "b"), ("a", "y"), ("b", "y")])
+    with pytest.raises(NoBottleneckError, match="'speed'"):
+        memory(g)
+
+
+def test_small_tensors_are_not_checkpoints():
+    g = chain(50)
+    for n in g.nodes:
+        g.nodes[n]["elements"] = 10
+    with pytest.raises(NoBottleneckError):
+        memory(g, min_checkpoint_size=1024)
+
+
+def test_speed_keeps_matmul_outputs():
+    p = speed(chain(10))
+    assert p.checkpoints == ["a1", "a3", "a5", "a7", "a9"]
+
+
+def test_explicit_ignores_xs_and_ys():
+    p = explicit(chain(10), ["x", "a3", "y", "a7"])
+    assert p.checkpoints == ["a3", "a7"]
+    assert "checkpoint" in p.summary()
