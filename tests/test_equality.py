@@ -24,3 +24,16 @@ def test_unconnected_zero(mode):
                                   unconnected_gradients=UnconnectedGradients.ZERO)
     assert pattern == ([False] * 4, [False] * 4)
     assert_same(pattern, values)
+
+
+def test_sparse_gradients_stay_sparse():
+    import tensorflow as tf
+    import memsave
+    graph = tf.Graph()
+    with graph.as_default():
+        model = models.Embedding()
+        out = model.forward(model.variables())
+        plain = tf.gradients(out["ys"], out["xs"])
+        ours = memsave.gradients(out["ys"], out["xs"], checkpoints=out["tag"])
+    assert isinstance(plain[0], tf.IndexedSlices)
+    assert isinstance(ours[0], tf.IndexedSlices)
