@@ -180,8 +180,13 @@ class Dropout:
         return dict(ys=[tf.reduce_sum(h * h)], xs=vs, tag=tag[1:-1:2])
 
 
+@tf.function
+def _nested_layer(h, w):
+    return tf.tanh(tf.matmul(h, w))
+
+
 class ControlFlow:
-    """A tf.cond and a tf.while_loop inside the forward pass."""
+    """A tf.cond, a tf.while_loop and a nested tf.function call in the forward pass."""
 
     def variables(self):
         rng = np.random.RandomState(16)
@@ -198,7 +203,7 @@ class ControlFlow:
             return i + 1, tf.tanh(tf.matmul(s, vs[3]))
         _, h = tf.while_loop(lambda i, s: i < 3, body, [tf.constant(0), h])
         c = h
-        h = tf.tanh(tf.matmul(h, vs[4]))
+        h = _nested_layer(h, vs[4])  # a nested function call (PartitionedCall)
         return dict(ys=[tf.reduce_sum(h * h)], xs=vs, tag=[a, b, c])
 
 

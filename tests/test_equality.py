@@ -37,3 +37,18 @@ def test_sparse_gradients_stay_sparse():
         ours = memsave.gradients(out["ys"], out["xs"], checkpoints=out["tag"])
     assert isinstance(plain[0], tf.IndexedSlices)
     assert isinstance(ours[0], tf.IndexedSlices)
+
+
+def test_control_flow_and_calls_are_recomputed():
+    """Copies of If, While and the nested call exist (they were not pinned)."""
+    import tensorflow as tf
+    import memsave
+    graph = tf.Graph()
+    with graph.as_default():
+        model = models.ControlFlow()
+        out = model.forward(model.variables())
+        before = len(graph.get_operations())
+        memsave.gradients(out["ys"], out["xs"], checkpoints=[out["tag"][0]])
+        copied = {op.type for op in graph.get_operations()[before:]
+                  if op.name.startswith("memsave_")}
+    assert {"If", "While", "StatefulPartitionedCall"} <= copied, copied

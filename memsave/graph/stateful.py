@@ -91,8 +91,12 @@ def written_handles(graph, region_ops):
             if t.dtype.name != "resource":
                 continue
             for consumer in t.consumers():
-                if consumer.type not in _HANDLE_READERS:
-                    writers.setdefault(consumer, []).append(t.ref())
+                if consumer.type in _HANDLE_READERS:
+                    continue
+                if consumer.type in FUNCTION_CALLS and not _body_is_pinned(
+                        graph, _function_names(consumer.node_def.attr), set()):
+                    continue  # a body with only recomputable ops just reads
+                writers.setdefault(consumer, []).append(t.ref())
     if not writers:
         return set()
     after = forward_ops(region_ops, control=True)
