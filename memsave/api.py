@@ -9,13 +9,14 @@ from tensorflow.python.framework import tensor as tf_tensor
 
 # ``memsave.plan`` is also the public function below, so import the modules.
 from memsave.plan import strategies as planning
+from memsave.plan.optimal import optimal
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
 from memsave.rewrite import plain_gradients, rewrite
 
 logger = logging.getLogger("memsave")
 
-STRATEGIES = ("memory", "speed", "collection")
+STRATEGIES = ("optimal", "memory", "speed", "collection")
 
 
 def _as_list(value):
@@ -105,10 +106,24 @@ def _explicit_checkpoints(items, graph, region):
     return [t.name for t in tensors if t.op in region.ops]
 
 
-def make_plan(region, checkpoints, min_checkpoint_size=1024):
+def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None):
     """Run a strategy on the region; return a :class:`memsave.plan.Plan`."""
-    pg = to_plan_graph(region)
+    if budget is not None and checkpoints != "optimal":
+        raise ValueError("budget= needs checkpoints='optimal', got %r" % (checkpoints,))
+    pg = to_plan_graph(region, batch_size=batch_size)
+    unknown = pg.graph.get("unknown_dims", 0)
+    result = _run_strategy(pg, region, checkpoints, min_checkpoint_size, budget)
+    if unknown:
+        result.notes.append(
+            "%d tensor(s) have unknown dimensions, taken as %s for sizes" % (
+                unknown, "batch_size=%d" % batch_size if batch_size else "1 (pass batch_size=)"))
+    return result
+
+
+def _run_strategy(pg, region, checkpoints, min_checkpoint_size, budget):
     if isinstance(checkpoints, str):
+        if checkpoints == "optimal":
+            return optimal(pg, budget=budget)
         if checkpoints == "memory":
             return planning.memory(pg, min_checkpoint_size=min_checkpoint_size)
         if checkpoints == "speed":
@@ -129,11 +144,14 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024):
 # called inside a tf.function.
 @do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
-              name="gradients", **tf_gradients_kwargs):
+              budget=None, batch_size=None, name="gradients", **tf_gradients_kwargs):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
-    ``checkpoints`` is 'memory', 'speed', 'collection' (tensors added to the
-    graph's 'checkpoints' collection) or a list of tensors to keep. Further
+    ``checkpoints`` is 'optimal', 'memory', 'speed', 'collection' (tensors
+    added to the graph's 'checkpoints' collection) or a list of tensors to
+    keep. With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
+    when below 1) asks for the plan that fits it with the least recompute.
+    ``batch_size`` sizes tensors whose dimensions are unknown. Further
     keyword arguments (``gate_gradients``, ``aggregation_method``,
     ``stop_gradients``, ``unconnected_gradients``,
     ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
@@ -150,7 +168,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
         if not region.ops:
             logger.warning("memsave: none of the ys depends on the xs; gradients are None")
             return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
-        chosen = make_plan(region, checkpoints, min_checkpoint_size)
+        chosen = make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size)
         logger.info("%s", chosen.summary())
         kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
         if not kept:
@@ -175,11 +193,11 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 
 
 @do_not_convert
-def plan(ys, xs, checkpoints="memory", min_checkpoint_size=1024):
+def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None):
     """The plan a strategy would execute, without rewriting anything."""
     ys = _as_list(ys)
     xs = _as_list(xs)
     graph = _validate(ys, xs, None)
     with graph.as_default():
         region = analyze(ys, _resolve_xs(xs, graph))
-        return make_plan(region, checkpoints, min_checkpoint_size)
+        return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size)

@@ -55,22 +55,23 @@ def aggregate(grads):
 
 
 class _Accumulator:
-    """Partial gradients per tensor ref, summed on demand."""
+    """Running sums of partial gradients per tensor ref.
+
+    Each new partial is added to the running sum at once, so only one buffer
+    per checkpoint stays alive between segments; keeping the partials and
+    summing them when needed would hold all of them (DenseNet-style graphs
+    would keep O(n^2) activations' worth of partial gradients).
+    """
 
     def __init__(self):
-        self._parts = {}
+        self._sums = {}
 
     def add(self, t, grad):
         if grad is not None:
-            self._parts.setdefault(t.ref(), []).append(grad)
+            self._sums[t.ref()] = aggregate([self._sums.get(t.ref()), grad])
 
     def total(self, t):
-        parts = self._parts.get(t.ref())
-        if not parts:
-            return None
-        if len(parts) > 1:
-            self._parts[t.ref()] = parts = [aggregate(parts)]
-        return parts[0]
+        return self._sums.get(t.ref())
 
 
 def _checkpoint_levels(region, checkpoints, stop):

@@ -220,3 +220,75 @@ ALL = {
     "dropout": Dropout,
     "control_flow": ControlFlow,
 }
+
+
+class UNet:
+    """A U-Net: ``levels`` down (conv, relu, 2x2 max-pool) and up (2x upsample,
+    concatenate the skip, conv, relu) levels. Skips bypass every tensor but
+    the input and output, so there is no single-tensor bottleneck."""
+
+    def __init__(self, levels=4, batch=2, size=32, channels=4, convs=2):
+        self.levels, self.batch, self.size, self.channels, self.convs = (
+            levels, batch, size, channels, convs)
+
+    def variables(self):
+        rng = np.random.RandomState(20)
+        vs, shapes = [], []
+        cin = self.channels
+        for i in range(self.levels):          # down
+            cout = self.channels * 2 ** (i + 1)
+            for j in range(self.convs):
+                shapes.append((3, 3, cin if j == 0 else cout, cout))
+            cin = cout
+        for i in reversed(range(self.levels)):  # up
+            skip = self.channels * 2 ** (i + 1)
+            cout = skip
+            for j in range(self.convs):
+                shapes.append((3, 3, cin + skip if j == 0 else cout, cout))
+            cin = cout
+        shapes.append((1, 1, cin, 1))
+        for s in shapes:
+            vs.append(_var(rng, *s, scale=1.0 / np.sqrt(s[0] * s[1] * s[2])))
+        return vs
+
+    def forward(self, vs):
+        x = _input(np.random.RandomState(21), self.batch, self.size, self.size, self.channels)
+        it = iter(vs)
+        h, skips, tag = x, [], []
+        for _ in range(self.levels):
+            for _ in range(self.convs):
+                h = tf.nn.relu(tf.nn.conv2d(h, next(it), 1, "SAME"))
+            skips.append(h)
+            h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+            tag.append(h)
+        for skip in reversed(skips):
+            h = tf.image.resize(h, tf.shape(skip)[1:3], method="nearest")
+            h = tf.concat([h, skip], axis=-1)
+            for _ in range(self.convs):
+                h = tf.nn.relu(tf.nn.conv2d(h, next(it), 1, "SAME"))
+            tag.append(h)
+        out = tf.nn.conv2d(h, next(it), 1, "SAME")
+        return dict(ys=[tf.reduce_mean(tf.square(out))], xs=vs, tag=tag[1:-1])
+
+
+class DenseBlock:
+    """Every layer reads the concatenation of all previous ones (DenseNet-style)."""
+
+    def __init__(self, layers=8, batch=8, width=16, growth=16):
+        self.layers, self.batch, self.width, self.growth = layers, batch, width, growth
+
+    def variables(self):
+        rng = np.random.RandomState(22)
+        return [_var(rng, self.width + i * self.growth, self.growth) for i in range(self.layers)]
+
+    def forward(self, vs):
+        feats = [_input(np.random.RandomState(23), self.batch, self.width)]
+        for w in vs:
+            feats.append(tf.nn.relu(tf.matmul(tf.concat(feats, axis=1), w)))
+        # A mean keeps gradients O(1), so float32 summation order stays far
+        # below the 1e-6 tolerance.
+        return dict(ys=[tf.reduce_mean(tf.tanh(tf.concat(feats, axis=1)))], xs=vs,
+                    tag=feats[2:-1:2])
+
+
+ALL.update({"unet": lambda: UNet(levels=3, size=16), "dense": DenseBlock})

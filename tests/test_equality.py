@@ -5,7 +5,7 @@ import pytest
 from tests import models
 from tests.helpers import assert_same, run_function, run_session
 
-STRATEGIES = ["memory", "speed", "collection", "list"]
+STRATEGIES = ["optimal", "memory", "speed", "collection", "list"]
 MODES = {"session": run_session, "function": run_function}
 
 

@@ -17,14 +17,6 @@ from memsave.graph.walk import backward_ops, forward_ops, topo_order
 
 logger = logging.getLogger("memsave")
 
-# Ops whose outputs are worth keeping under the 'speed' strategy.
-EXPENSIVE_OP_TYPES = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-    "Conv", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
-    "DepthwiseConv2dNative", "_FusedMatMul", "_FusedConv2D",
-})
-
-
 # What each op's gradient reads besides the incoming gradient: its inputs,
 # its outputs, or neither. Unknown ops are assumed to read both. This is what
 # backprop keeps alive, so it drives the memory estimates.
@@ -127,13 +119,13 @@ def analyze(ys, xs):
     return Region(graph, list(ys), list(xs), order, ops, pinned, forced)
 
 
-def num_elements(shape):
-    """Element count with unknown dimensions taken as 1; None if rank unknown."""
+def num_elements(shape, unknown_dim=1):
+    """Element count with unknown dimensions taken as ``unknown_dim``; None if rank unknown."""
     if shape.rank is None:
         return None
     n = 1
     for d in shape.as_list():
-        n *= d if d is not None else 1
+        n *= d if d is not None else unknown_dim
     return n
 
 
@@ -160,23 +152,27 @@ def op_cost(op):
     return float(out)
 
 
-def to_plan_graph(region):
+def to_plan_graph(region, batch_size=None):
     """Export the region as a networkx DAG over tensor names.
 
     Nodes are tensors (region op outputs, and the xs). Edges go from each
     input of a region op to each of its outputs. Node attributes: ``order``
     (topological index), ``elements``/``bytes`` (None when the rank is
-    unknown; unknown dimensions count as 1), ``cost`` (FLOPs of the producing
+    unknown; unknown dimensions count as ``batch_size``, or 1 without that
+    hint), ``cost`` (FLOPs of the producing
     op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
-    ``saved`` (read by some gradient, so backprop keeps it alive) and
-    ``candidate`` (may be chosen as a checkpoint).
+    ``saved`` (read by some gradient, so backprop keeps it alive),
+    ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
+    still runs) and ``candidate`` (may be chosen as a checkpoint). The graph
+    attribute ``unknown_dims`` counts tensors whose shape was not fully known.
     """
     g = nx.DiGraph()
-    saved = set()
+    saved, reads_output = set(), set()
     for op in region.order:
         ins, outs = grad_reads(op)
         saved.update(t.name for t in ins if differentiable(t))
         saved.update(t.name for t in outs if differentiable(t))
+        reads_output.update(t.name for t in outs)
     y_names = {y.name for y in region.ys}
     forced = {t.name for t in region.forced}
     for i, x in enumerate(region.xs):
@@ -190,14 +186,17 @@ def to_plan_graph(region):
         # A variable read aliases the variable's buffer: no activation memory.
         alias = op.type == "ReadVariableOp"
         for t in op.outputs:
-            n = num_elements(t.shape)
+            n = num_elements(t.shape, batch_size or 1)
             g.add_node(t.name, order=index, elements=n,
                        bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
                        cost=cost, op_type=op.type, x=False, y=t.name in y_names,
                        forced=t.name in forced, saved=t.name in saved,
+                       grad_reads_output=t.name in reads_output,
                        candidate=(differentiable(t) and t.name not in y_names
                                   and op not in region.pinned and not alias))
             index += 1
+            if not t.shape.is_fully_defined():
+                g.graph["unknown_dims"] = g.graph.get("unknown_dims", 0) + 1
             for i in op.inputs:
                 if i.op in region.ops or i.name in x_names:
                     g.add_edge(i.name, t.name)

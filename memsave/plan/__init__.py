@@ -1,10 +1,11 @@
 """Framework-free checkpoint planning over a networkx DAG of tensors."""
 
+from memsave.plan.optimal import BudgetError, optimal
 from memsave.plan.plan import Plan, estimate
 from memsave.plan.strategies import (
     SPEED_OP_TYPES, NoBottleneckError, bottlenecks, explicit, memory, speed)
 
 __all__ = [
-    "Plan", "NoBottleneckError", "SPEED_OP_TYPES", "bottlenecks", "estimate",
+    "BudgetError", "Plan", "NoBottleneckError", "optimal", "SPEED_OP_TYPES", "bottlenecks", "estimate",
     "explicit", "memory", "speed",
 ]

@@ -20,6 +20,7 @@ class Plan:
     estimated_peak_bytes: int = 0
     plain_peak_bytes: int = 0
     notes: list = dataclasses.field(default_factory=list)
+    recompute_fraction: float = None  # recomputed FLOPs / one forward pass, if estimated
 
     @property
     def kept(self):
@@ -34,6 +35,8 @@ class Plan:
             self.strategy, len(self.checkpoints), len(self.forced))]
         lines.append("  estimated activation peak: %s (plain: %s)" % (
             mb(self.estimated_peak_bytes), mb(self.plain_peak_bytes)))
+        if self.recompute_fraction is not None:
+            lines.append("  recomputes about %.0f%% of one forward pass" % (100 * self.recompute_fraction))
         shown = ", ".join(self.checkpoints[:8]) + (" ..." if len(self.checkpoints) > 8 else "")
         if shown:
             lines.append("  checkpoints: " + shown)

@@ -11,15 +11,12 @@ import math
 
 import networkx as nx
 
+from memsave.plan.optimal import EXPENSIVE
 from memsave.plan.plan import Plan, estimate, node_bytes, saved_bytes, topological
 
 logger = logging.getLogger("memsave")
 
-SPEED_OP_TYPES = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-    "Conv", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
-    "DepthwiseConv2dNative", "_FusedMatMul", "_FusedConv2D",
-})
+SPEED_OP_TYPES = EXPENSIVE | {"_FusedMatMul", "_FusedConv2D"}
 
 _SINK = ("memsave", "sink")
 

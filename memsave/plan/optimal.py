@@ -1,0 +1,198 @@
+"""The 'optimal' strategy: a frontier dynamic program over any DAG.
+
+Articulation points only exist where a single tensor cuts the graph; skip
+connections (U-Net, DenseNet) remove them. Here the graph is linearized in
+topological order instead. A *cut* after position i keeps every tensor that
+is alive across it (produced at or before i, consumed after i): its
+*frontier*. Choosing cuts c1 < c2 < ... keeps the union of their frontiers,
+and backprop recomputes one segment between neighbouring cuts at a time.
+
+Because a tensor is alive across an interval of positions, the bytes a cut
+b adds to the union after a previous cut a are exactly the tensors produced
+in (a, b] and still alive after b. For a bound M on a segment's saved bytes,
+a shortest path over cuts minimizes the kept bytes; we minimize kept + M
+over a few values of M. With ``budget`` we instead pick, among the plans
+whose estimate fits, the one that recomputes the fewest FLOPs.
+"""
+
+import logging
+
+import numpy as np
+
+from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
+
+# Ops whose outputs are costly to recompute (and whose gradients read only inputs).
+EXPENSIVE = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv", "Conv2D",
+    "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNative",
+})
+
+logger = logging.getLogger("memsave")
+
+class BudgetError(ValueError):
+    """No plan fits the requested memory budget."""
+
+
+def _linearize(graph):
+    nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])
+    position = {n: i for i, n in enumerate(nodes)}
+    m = len(nodes)
+    last_use = np.empty(m, dtype=np.int64)
+    keep_bytes = np.zeros(m, dtype=np.float64)
+    seg_bytes = np.zeros(m, dtype=np.float64)
+    for i, n in enumerate(nodes):
+        data = graph.nodes[n]
+        uses = [position[s] for s in graph.successors(n) if s in position]
+        last_use[i] = m if data.get("y") else max(uses, default=i)
+        # Only candidates cost anything to keep: ys are the top boundary,
+        # forced tensors are kept anyway, variable reads are aliases.
+        keep_bytes[i] = node_bytes(graph, n) if data.get("candidate") else 0.0
+        seg_bytes[i] = saved_bytes(graph, n)
+    return nodes, last_use, keep_bytes, seg_bytes
+
+
+def _shortest_cuts(last_use, keep_bytes, prefix, limit):
+    """Cuts minimizing kept bytes with every segment's saved bytes <= limit."""
+    m = len(last_use)
+    dist = np.full(m + 1, np.inf)  # dist[c + 1]: best kept bytes with a cut after c
+    dist[0] = 0.0
+    back = np.full(m + 1, -1, dtype=np.int64)
+    lo = 0  # smallest dist index allowed for the previous cut
+    for b in range(m):
+        while prefix[b + 1] - prefix[lo] > limit:
+            lo += 1
+        if lo > b:
+            return None  # a single tensor exceeds the limit
+        # A previous cut at dist index j (after position j - 1) makes the new
+        # segment positions j..b; the bytes it adds are the tensors produced
+        # there that are still alive after b.
+        window = slice(lo, b + 1)
+        alive = keep_bytes[window] * (last_use[window] > b)
+        cand = dist[lo:b + 1] + np.cumsum(alive[::-1])[::-1]
+        k = int(np.argmin(cand))
+        dist[b + 1] = cand[k]
+        back[b + 1] = lo + k
+    cuts, c = [], m
+    while c > 0:
+        cuts.append(c - 1)
+        c = back[c]
+    return dist[m], sorted(cuts)
+
+
+def _kept(nodes, last_use, cuts, graph):
+    cuts = np.asarray(cuts)
+    kept = []
+    for i, n in enumerate(nodes):
+        if not graph.nodes[n].get("candidate") or last_use[i] <= i:
+            continue
+        # Alive across some cut c with i <= c < last_use[i]?
+        j = np.searchsorted(cuts, i)
+        if j < len(cuts) and cuts[j] < last_use[i] and cuts[j] != len(nodes) - 1:
+            kept.append(n)
+    return kept
+
+
+def recompute_flops(graph, kept):
+    """FLOPs the rewrite recomputes with ``kept`` checkpoints.
+
+    Every op between xs and ys is copied once, but a kept tensor's copy is
+    only run when its own gradient reads it (tanh, relu); for matmuls and
+    convolutions the copy is never needed, so keeping them saves their FLOPs.
+    """
+    kept = set(kept)
+    total = 0.0
+    for n, d in graph.nodes(data=True):
+        if d.get("x") or d.get("forced"):
+            continue
+        if n in kept and not d.get("grad_reads_output", True):
+            continue
+        total += d.get("cost", 0.0)
+    return total
+
+
+def forward_flops(graph):
+    return sum(d.get("cost", 0.0) for _, d in graph.nodes(data=True) if not d.get("x"))
+
+
+def plans(graph, values=16):
+    """Candidate plans: (estimated peak, recompute FLOPs, kept) for a grid of limits.
+
+    Two passes: one minimizing kept bytes, and one where expensive tensors
+    whose copies need not run (matmul, conv outputs) count a quarter of their
+    size, which yields plans that recompute less for a little more memory.
+    """
+    nodes, last_use, keep_bytes, seg_bytes = _linearize(graph)
+    if not nodes:
+        return []
+    prefix = np.concatenate([[0.0], np.cumsum(seg_bytes)])
+    total = prefix[-1]
+    smallest = max(float(seg_bytes.max()), 1.0)
+    grid = sorted(set(np.geomspace(smallest, max(total, smallest), values).tolist()))
+    cheap_to_keep = np.array([
+        0.25 if (graph.nodes[n].get("op_type") in EXPENSIVE
+                 and not graph.nodes[n].get("grad_reads_output", True)) else 1.0
+        for n in nodes])
+    found = {}
+
+    def evaluate(limit, weights):
+        result = _shortest_cuts(last_use, weights, prefix, limit)
+        if result is None:
+            return None
+        cuts = result[1]
+        kept = _kept(nodes, last_use, cuts, graph)
+        peak = sum(node_bytes(graph, n) for n in kept) + _largest_segment(prefix, cuts)
+        key = tuple(kept)
+        if key not in found:
+            found[key] = (float(peak), recompute_flops(graph, kept), kept)
+        return peak
+
+    for weights in (keep_bytes, keep_bytes * cheap_to_keep):
+        scored = [(p, lim) for lim in grid for p in [evaluate(lim, weights)] if p is not None]
+        if not scored:
+            continue
+        best = min(scored)[1]
+        i = grid.index(best)
+        lo = grid[i - 1] if i > 0 else best / 2
+        hi = grid[i + 1] if i + 1 < len(grid) else best
+        for limit in np.linspace(lo, hi, 8):
+            evaluate(float(limit), weights)
+    return sorted(found.values(), key=lambda p: p[0])
+
+
+def _largest_segment(prefix, cuts):
+    bounds = [0] + [c + 1 for c in cuts]
+    return max(float(prefix[b] - prefix[a]) for a, b in zip(bounds, bounds[1:]))
+
+
+def optimal(graph, budget=None):
+    """The plan with the lowest estimated peak, or, with ``budget`` (bytes, or a
+    fraction of the plain estimate when below 1), the one that fits it with
+    the least recomputation."""
+    forced = topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
+    forced_bytes = sum(node_bytes(graph, n) for n in forced)
+    plain = float(sum(saved_bytes(graph, n) for n, d in graph.nodes(data=True) if not d.get("x")))
+    options = plans(graph)
+    if not options:
+        return Plan("optimal", [], forced, 0, int(plain))
+    limit = None
+    if budget is not None:
+        if budget <= 0:
+            raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
+                             % (budget,))
+        limit = budget * plain if budget < 1 else float(budget)
+    flops = forward_flops(graph) or 1.0
+    if limit is None:
+        peak, cost, kept = min(options, key=lambda p: (p[0], p[1]))
+    else:
+        fitting = [p for p in options if p[0] + forced_bytes <= limit]
+        if not fitting:
+            smallest = min(p[0] for p in options) + forced_bytes
+            raise BudgetError(
+                "no plan fits a budget of %.1f MB; the smallest estimated peak is %.1f MB "
+                "(plain: %.1f MB)" % (limit / 2**20, smallest / 2**20, plain / 2**20))
+        peak, cost, kept = min(fitting, key=lambda p: (p[1], p[0]))
+    notes = []
+    if limit is not None:
+        notes.append("budget %.1f MB" % (limit / 2**20))
+    return Plan("optimal", topological(graph, kept), forced, int(peak + forced_bytes),
+                int(plain), notes, recompute_fraction=cost / flops)
