@@ -88,3 +88,17 @@ def configure_for_measurement():
                        "inter-op threads stay as they are")
         return False
     return True
+
+
+def estimate_peak(ys, xs, checkpoints="optimal", **plan_kwargs):
+    """Estimated peak activation bytes of the backward pass, before running it.
+
+    ``checkpoints=None`` estimates plain ``tf.gradients``. The estimate
+    simulates the rewrite's schedule on the planning graph (see
+    :mod:`memsave.plan.simulate`); it counts activations and their gradients,
+    not weights or weight gradients.
+    """
+    from memsave.api import plan  # pylint: disable=import-outside-toplevel
+    if checkpoints is None:
+        return plan(ys, xs, checkpoints=[], **plan_kwargs).plain_peak_bytes
+    return plan(ys, xs, checkpoints=checkpoints, **plan_kwargs).estimated_peak_bytes

@@ -67,8 +67,11 @@ class _Accumulator:
         self._sums = {}
 
     def add(self, t, grad):
-        if grad is not None:
-            self._sums[t.ref()] = aggregate([self._sums.get(t.ref()), grad])
+        """Add a partial gradient; return the new running sum (None if none)."""
+        if grad is None:
+            return None
+        self._sums[t.ref()] = total = aggregate([self._sums.get(t.ref()), grad])
+        return total
 
     def total(self, t):
         return self._sums.get(t.ref())
@@ -124,11 +127,12 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
         grads_out = plain_gradients(
             [copied(t) for t in boundary], targets, grad_ys=grads, name=name,
             stop_gradients=stops, **grad_kwargs)
-        for t, g in zip(targets, grads_out):
-            (d_xs if t.ref() in x_refs else d_cp).add(t, g)
+        sums = [(d_xs if t.ref() in x_refs else d_cp).add(t, g) for t, g in zip(targets, grads_out)]
         logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint(s) and %d x(s)",
                      segment - 1, len(copies), len(asked_cp), len(asked_x))
-        return [g for g in grads_out if g is not None]
+        # The next segment waits for the running sums, not just the partials,
+        # so each partial is folded in (and freed) before more is recomputed.
+        return [g for g in sums if g is not None]
 
     wait = [y.op for y in ys] + [g.op for g in (grad_ys or []) if g is not None]
     produced = run_segment(ys, [y.op for y in ys], grad_ys, wait)

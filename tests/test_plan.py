@@ -38,7 +38,8 @@ def test_memory_on_a_chain_keeps_about_sqrt_2n():
         assert 0.5 * math.sqrt(2 * n) <= k <= 2 * math.sqrt(2 * n), (n, k)
         # The modelled peak is near sqrt(2n) activations, far below n.
         assert p.estimated_peak_bytes <= 2 * math.sqrt(2 * n) * MB
-        assert p.plain_peak_bytes == (n + 1) * MB  # every activation, y included
+        # Plain keeps every activation (y included) plus a few gradients in flight.
+        assert (n + 1) * MB <= p.plain_peak_bytes <= (n + 5) * MB
 
 
 def test_bottlenecks_skip_bypassed_tensors():

@@ -1,11 +1,12 @@
 """Framework-free checkpoint planning over a networkx DAG of tensors."""
 
 from memsave.plan.optimal import BudgetError, optimal
-from memsave.plan.plan import Plan, estimate
+from memsave.plan.plan import Plan
+from memsave.plan.simulate import simulate_peak
 from memsave.plan.strategies import (
     SPEED_OP_TYPES, NoBottleneckError, bottlenecks, explicit, memory, speed)
 
 __all__ = [
-    "BudgetError", "Plan", "NoBottleneckError", "optimal", "SPEED_OP_TYPES", "bottlenecks", "estimate",
+    "BudgetError", "Plan", "NoBottleneckError", "optimal", "SPEED_OP_TYPES", "bottlenecks", "simulate_peak",
     "explicit", "memory", "speed",
 ]

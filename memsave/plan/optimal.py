@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
+from memsave.plan.simulate import simulate_peak
 
 # Ops whose outputs are costly to recompute (and whose gradients read only inputs).
 EXPENSIVE = frozenset({
@@ -167,32 +168,27 @@ def _largest_segment(prefix, cuts):
 def optimal(graph, budget=None):
     """The plan with the lowest estimated peak, or, with ``budget`` (bytes, or a
     fraction of the plain estimate when below 1), the one that fits it with
-    the least recomputation."""
+    the least recomputation. Estimates come from :func:`simulate_peak`."""
+    if budget is not None and budget <= 0:
+        raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
+                         % (budget,))
     forced = topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
-    forced_bytes = sum(node_bytes(graph, n) for n in forced)
-    plain = float(sum(saved_bytes(graph, n) for n, d in graph.nodes(data=True) if not d.get("x")))
-    options = plans(graph)
-    if not options:
-        return Plan("optimal", [], forced, 0, int(plain))
-    limit = None
-    if budget is not None:
-        if budget <= 0:
-            raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
-                             % (budget,))
-        limit = budget * plain if budget < 1 else float(budget)
-    flops = forward_flops(graph) or 1.0
+    plain = simulate_peak(graph, ())
+    options = [(simulate_peak(graph, set(kept) | set(forced)), cost, kept)
+               for _, cost, kept in plans(graph)]
+    options.append((plain if not forced else simulate_peak(graph, forced),
+                    recompute_flops(graph, []), []))
+    limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
     if limit is None:
         peak, cost, kept = min(options, key=lambda p: (p[0], p[1]))
     else:
-        fitting = [p for p in options if p[0] + forced_bytes <= limit]
+        fitting = [p for p in options if p[0] <= limit]
         if not fitting:
-            smallest = min(p[0] for p in options) + forced_bytes
             raise BudgetError(
                 "no plan fits a budget of %.1f MB; the smallest estimated peak is %.1f MB "
-                "(plain: %.1f MB)" % (limit / 2**20, smallest / 2**20, plain / 2**20))
+                "(plain: %.1f MB)" % (limit / 2**20, min(p[0] for p in options) / 2**20,
+                                      plain / 2**20))
         peak, cost, kept = min(fitting, key=lambda p: (p[1], p[0]))
-    notes = []
-    if limit is not None:
-        notes.append("budget %.1f MB" % (limit / 2**20))
-    return Plan("optimal", topological(graph, kept), forced, int(peak + forced_bytes),
-                int(plain), notes, recompute_fraction=cost / flops)
+    notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
+    return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
+                recompute_fraction=cost / (forward_flops(graph) or 1.0))

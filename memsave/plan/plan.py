@@ -1,7 +1,6 @@
 """The result of a strategy: what to keep, and what we expect it to cost."""
 
 import dataclasses
-import networkx as nx
 
 
 @dataclasses.dataclass
@@ -55,23 +54,6 @@ def saved_bytes(graph, name):
     """Bytes backprop keeps alive for ``name`` (0 if no gradient reads it)."""
     data = graph.nodes[name]
     return node_bytes(graph, name) if data.get("saved", True) else 0
-
-
-def estimate(graph, kept):
-    """(estimated peak with ``kept`` checkpoints, plain peak) in bytes.
-
-    Plain backprop keeps every activation some gradient reads (``saved``);
-    a checkpointed one keeps the checkpoints plus the saved activations of
-    one recomputed segment at a time (the largest bounds the peak). Segments
-    are the pieces left when the kept tensors are cut out of the graph.
-    """
-    activations = [n for n, d in graph.nodes(data=True) if not d.get("x")]
-    plain = sum(saved_bytes(graph, n) for n in activations)
-    kept = set(kept)
-    rest = graph.subgraph(n for n in activations if n not in kept)
-    biggest = max((sum(saved_bytes(graph, n) for n in comp)
-                   for comp in nx.weakly_connected_components(rest)), default=0)
-    return sum(node_bytes(graph, n) for n in kept) + biggest, plain
 
 
 def topological(graph, names):

@@ -12,7 +12,8 @@ import math
 import networkx as nx
 
 from memsave.plan.optimal import EXPENSIVE
-from memsave.plan.plan import Plan, estimate, node_bytes, saved_bytes, topological
+from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
+from memsave.plan.simulate import simulate_peak
 
 logger = logging.getLogger("memsave")
 
@@ -29,12 +30,11 @@ def _forced(graph):
     return topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
 
 
-def _make_plan(graph, strategy, chosen, notes=(), peak=None):
+def _make_plan(graph, strategy, chosen, notes=()):
     chosen = topological(graph, set(chosen))
     forced = _forced(graph)
-    generic, plain = estimate(graph, set(chosen) | set(forced))
-    if peak is None or forced:
-        peak = generic
+    peak = simulate_peak(graph, set(chosen) | set(forced))
+    plain = simulate_peak(graph, ())
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
                 estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes))
 
@@ -149,10 +149,10 @@ def memory(graph, min_checkpoint_size=1024):
             "U-Nets or dense blocks. Use checkpoints='speed', checkpoints='collection' "
             "with tensors added to the 'checkpoints' collection, or pass an explicit "
             "list of tensors." % min_checkpoint_size)
-    chosen, peak = _best_spacing(graph, found)
+    chosen, _ = _best_spacing(graph, found)
     return _make_plan(graph, "memory", chosen,
                       ["%d bottleneck(s) among %d activations; kept %d" % (
-                          len(found), len(sized), len(chosen))], peak=peak)
+                          len(found), len(sized), len(chosen))])
 
 
 def _best_spacing(graph, found):
