@@ -1,0 +1,113 @@
+"""'optimal' and budgets, measured with the meter; the estimator against the meter."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.plan.optimal import BudgetError
+from memsave.profile import estimate_peak, peak_memory, session_step
+from tests import models
+from tests.test_memory import ACTIVATION, _chain, _resnet
+
+
+def _measure(build, strategy=None, **kwargs):
+    """(measured peak bytes, plan or None) for one Session step."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws = build()
+        plan = memsave.plan(loss, ws, checkpoints=strategy, **kwargs) if strategy else None
+        if strategy is None:
+            grads = tf.gradients(loss, ws)
+        else:
+            grads = memsave.gradients(loss, ws, checkpoints=strategy, **kwargs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return peak_memory(session_step(sess, grads)), plan
+
+
+def _model(factory):
+    def build():
+        model = factory()
+        out = model.forward(model.variables())
+        return out["ys"][0], out["xs"]
+    return build
+
+
+UNET = lambda: models.UNet(levels=4, batch=4, size=64, channels=8)  # noqa: E731
+DENSE = lambda: models.DenseBlock(layers=32, batch=1024, width=64, growth=64)  # noqa: E731
+
+
+def test_chain400_optimal():
+    ours, plan = _measure(lambda: _chain(400), "optimal")
+    print("\nchain n=400, optimal: %.1f activations (bound 50); plan: %s"
+          % (ours / ACTIVATION, plan.summary()))
+    assert ours <= 2.5 * np.sqrt(400) * ACTIVATION
+
+
+def test_dense_block_optimal():
+    plain, _ = _measure(_model(DENSE))
+    ours, _ = _measure(_model(DENSE), "optimal")
+    print("\ndense block (32 layers): plain %.1f MB, optimal %.1f MB (%.0f%% lower)"
+          % (plain / 2**20, ours / 2**20, 100 * (1 - ours / plain)))
+    assert ours <= 0.4 * plain
+
+
+def test_unet_optimal_beats_plain_and_memory():
+    plain, _ = _measure(_model(UNET))
+    ours, _ = _measure(_model(UNET), "optimal")
+    try:
+        memory, _ = _measure(_model(UNET), "memory")
+    except memsave.NoBottleneckError:
+        memory = None
+    print("\nU-Net 4 levels: plain %.1f MB, memory %s, optimal %.1f MB"
+          % (plain / 2**20, "raises" if memory is None else "%.1f MB" % (memory / 2**20),
+             ours / 2**20))
+    assert ours < plain
+    assert memory is None or ours < memory
+
+
+# The U-Net's floor is high (its top level, concat and concat gradient, is one
+# segment), so its budget is a larger fraction of plain than the chain's.
+@pytest.mark.parametrize("name,build,fraction", [("chain", lambda: _chain(100), 0.5),
+                                                 ("unet", _model(UNET), 0.65)])
+def test_budget_is_respected(name, build, fraction):
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws = build()
+        plain_estimate = estimate_peak(loss, ws, checkpoints=None)
+    budget = int(fraction * plain_estimate)
+    ours, plan = _measure(build, "optimal", budget=budget)
+    print("\n%s, budget %.1f MB: measured %.1f MB (%s)"
+          % (name, budget / 2**20, ours / 2**20, plan.summary().splitlines()[1].strip()))
+    assert plan.estimated_peak_bytes <= budget
+    assert ours <= 1.1 * budget
+
+
+def test_budget_too_small_states_the_minimum():
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws = _chain(50)
+        with pytest.raises(BudgetError, match="smallest estimated peak"):
+            memsave.gradients(loss, ws, checkpoints="optimal", budget=ACTIVATION)
+        with pytest.raises(ValueError, match="budget must be > 0"):
+            memsave.gradients(loss, ws, checkpoints="optimal", budget=0)
+
+
+@pytest.mark.parametrize("name,build,strategy", [
+    ("chain", lambda: _chain(100), "optimal"), ("chain plain", lambda: _chain(100), None),
+    ("resnet", lambda: _resnet(100), "optimal"), ("resnet", lambda: _resnet(100), "memory"),
+    ("unet", _model(UNET), "optimal"),
+])
+def test_estimator_within_25_percent(name, build, strategy):
+    measured, plan = _measure(build, strategy)
+    if plan is None:
+        graph = tf.Graph()
+        with graph.as_default():
+            loss, ws = build()
+            estimate = estimate_peak(loss, ws, checkpoints=None)
+    else:
+        estimate = plan.estimated_peak_bytes
+    print("\n%s %s: estimated %.1f MB, measured %.1f MB" % (
+        name, strategy, estimate / 2**20, measured / 2**20))
+    assert 0.75 * measured <= estimate <= 1.25 * measured
