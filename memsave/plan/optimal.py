@@ -20,7 +20,7 @@ import logging
 import numpy as np
 
 from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
-from memsave.plan.simulate import simulate_peak
+from memsave.plan.simulate import prepare, simulate_peak
 
 # Ops whose outputs are costly to recompute (and whose gradients read only inputs).
 EXPENSIVE = frozenset({
@@ -80,17 +80,17 @@ def _shortest_cuts(last_use, keep_bytes, prefix, limit):
     return dist[m], sorted(cuts)
 
 
-def _kept(nodes, last_use, cuts, graph):
-    cuts = np.asarray(cuts)
-    kept = []
-    for i, n in enumerate(nodes):
-        if not graph.nodes[n].get("candidate") or last_use[i] <= i:
-            continue
-        # Alive across some cut c with i <= c < last_use[i]?
-        j = np.searchsorted(cuts, i)
-        if j < len(cuts) and cuts[j] < last_use[i] and cuts[j] != len(nodes) - 1:
-            kept.append(n)
-    return kept
+def _kept(nodes, last_use, candidate, cuts):
+    """Candidates alive across some cut other than the final one."""
+    inner = np.asarray(cuts[:-1], dtype=np.int64)
+    if not len(inner):
+        return []
+    pos = np.arange(len(nodes))
+    j = np.searchsorted(inner, pos)
+    hit = j < len(inner)
+    across = np.zeros(len(nodes), dtype=bool)
+    across[hit] = inner[j[hit]] < last_use[hit]
+    return [nodes[i] for i in np.nonzero(across & candidate)[0]]
 
 
 def recompute_flops(graph, kept):
@@ -115,16 +115,18 @@ def forward_flops(graph):
     return sum(d.get("cost", 0.0) for _, d in graph.nodes(data=True) if not d.get("x"))
 
 
-def plans(graph, values=16):
+def plans(graph, values=8, prefer_speed=False):
     """Candidate plans: (estimated peak, recompute FLOPs, kept) for a grid of limits.
 
-    Two passes: one minimizing kept bytes, and one where expensive tensors
-    whose copies need not run (matmul, conv outputs) count a quarter of their
-    size, which yields plans that recompute less for a little more memory.
+    One pass minimizes kept bytes. With ``prefer_speed`` a second pass counts
+    expensive tensors whose copies need not run (matmul, conv outputs) at a
+    quarter of their size, which yields plans that recompute less for a
+    little more memory (for budgets).
     """
     nodes, last_use, keep_bytes, seg_bytes = _linearize(graph)
     if not nodes:
         return []
+    candidate = np.array([bool(graph.nodes[n].get("candidate")) for n in nodes])
     prefix = np.concatenate([[0.0], np.cumsum(seg_bytes)])
     total = prefix[-1]
     smallest = max(float(seg_bytes.max()), 1.0)
@@ -140,14 +142,15 @@ def plans(graph, values=16):
         if result is None:
             return None
         cuts = result[1]
-        kept = _kept(nodes, last_use, cuts, graph)
+        kept = _kept(nodes, last_use, candidate, cuts)
         peak = sum(node_bytes(graph, n) for n in kept) + _largest_segment(prefix, cuts)
         key = tuple(kept)
         if key not in found:
             found[key] = (float(peak), recompute_flops(graph, kept), kept)
         return peak
 
-    for weights in (keep_bytes, keep_bytes * cheap_to_keep):
+    passes = (keep_bytes, keep_bytes * cheap_to_keep) if prefer_speed else (keep_bytes,)
+    for weights in passes:
         scored = [(p, lim) for lim in grid for p in [evaluate(lim, weights)] if p is not None]
         if not scored:
             continue
@@ -155,7 +158,7 @@ def plans(graph, values=16):
         i = grid.index(best)
         lo = grid[i - 1] if i > 0 else best / 2
         hi = grid[i + 1] if i + 1 < len(grid) else best
-        for limit in np.linspace(lo, hi, 8):
+        for limit in np.linspace(lo, hi, 5)[1:-1]:
             evaluate(float(limit), weights)
     return sorted(found.values(), key=lambda p: p[0])
 
@@ -173,12 +176,26 @@ def optimal(graph, budget=None):
         raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
                          % (budget,))
     forced = topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
-    plain = simulate_peak(graph, ())
-    options = [(simulate_peak(graph, set(kept) | set(forced)), cost, kept)
-               for _, cost, kept in plans(graph)]
-    options.append((plain if not forced else simulate_peak(graph, forced),
-                    recompute_flops(graph, []), []))
+    prepared = prepare(graph)
+    plain = simulate_peak(graph, (), prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
+    # The DP's own estimate (kept + largest segment) ranks candidates; only
+    # the promising ones are simulated.
+    candidates = plans(graph, prefer_speed=limit is not None)
+    if limit is None:
+        candidates = candidates[:6]
+    else:
+        candidates = [c for c in candidates if c[0] <= 1.5 * limit][:12] or candidates[:3]
+    options = [(simulate_peak(graph, kept, prepared), cost, kept) for _, cost, kept in candidates]
+    options.append((simulate_peak(graph, forced, prepared), recompute_flops(graph, []), []))
+    # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
+    # the ys) can beat uniform segments; let it compete on the same estimate.
+    try:
+        from memsave.plan.strategies import memory  # pylint: disable=import-outside-toplevel
+        kept = memory(graph, min_checkpoint_size=0).checkpoints
+        options.append((simulate_peak(graph, kept, prepared), recompute_flops(graph, kept), kept))
+    except ValueError:
+        pass
     if limit is None:
         peak, cost, kept = min(options, key=lambda p: (p[0], p[1]))
     else:

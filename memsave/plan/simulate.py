@@ -12,84 +12,87 @@ reverse topological order. During a segment, memory holds:
   consumer's backward produces it until its producer's backward consumes it.
 
 With nothing kept it models plain backprop, which keeps every saved
-activation of the forward pass. Sizes are activation bytes only.
+activation of the forward pass (one segment holding everything). Sizes are
+activation bytes only.
 """
 
 import collections
 
 from memsave.plan.plan import node_bytes, topological
 
+Prepared = collections.namedtuple("Prepared", "names index size saved preds ys forced")
 
-def _segments(graph, kept, order):
-    """{boundary: nodes} as the rewrite forms them (walks stop at kept nodes)."""
-    ys = [n for n in order if graph.nodes[n].get("y")]
-    seeds = [("ys", ys)] + [(k, [k]) for k in reversed(order) if k in kept]
-    owner = {}
+
+def prepare(graph):
+    """Index the planning graph once for repeated simulations."""
+    names = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])
+    index = {n: i for i, n in enumerate(names)}
+    size = [node_bytes(graph, n) for n in names]
+    saved = [bool(graph.nodes[n].get("saved", True)) for n in names]
+    preds = [[index[p] for p in graph.predecessors(n) if p in index] for n in names]
+    ys = [i for i, n in enumerate(names) if graph.nodes[n].get("y")]
+    forced = {i for i, n in enumerate(names) if graph.nodes[n].get("forced")}
+    return Prepared(names, index, size, saved, preds, ys, forced)
+
+
+def _segments(p, kept):
+    """[(boundary, members)] as the rewrite forms them (walks stop at kept nodes)."""
+    seeds = [(None, p.ys)] + [(k, [k]) for k in sorted(kept, reverse=True)]
     result = []
     for name, boundary in seeds:
-        members, stack = [], list(boundary)
+        seen, stack = set(), list(boundary)
         while stack:
             n = stack.pop()
-            if (n, name) in owner:
+            if n in seen:
                 continue
-            owner[(n, name)] = True
-            members.append(n)
-            for p in graph.predecessors(n):
-                if p not in kept and not graph.nodes[p].get("x"):
-                    stack.append(p)
-        result.append((name, boundary, members))
+            seen.add(n)
+            stack.extend(q for q in p.preds[n] if q not in kept)
+        result.append((name, boundary, sorted(seen)))
     return result
 
 
-def simulate_peak(graph, kept=()):
+def simulate_peak(graph, kept=(), prepared=None):
     """Estimated peak bytes of the backward pass with ``kept`` checkpoints."""
-    kept = set(kept) | {n for n, d in graph.nodes(data=True) if d.get("forced")}
-    order = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])
-    index = {n: i for i, n in enumerate(order)}
-    size = {n: node_bytes(graph, n) for n in order}
-    segments = _segments(graph, kept, order)
+    p = prepared or prepare(graph)
+    kept = {p.index[n] for n in kept if n in p.index} | p.forced
+    size = p.size
+    segments = _segments(p, kept)
 
-    # Which segments read each kept tensor; it is freed after the last one.
-    readers = collections.defaultdict(int)
+    readers = collections.Counter()
+    reads = []
     for _, _, members in segments:
-        for k in {p for n in members for p in graph.predecessors(n) if p in kept}:
-            readers[k] += 1
+        touched = {q for n in members for q in p.preds[n] if q in kept}
+        reads.append(touched)
+        readers.update(touched)
 
-    # Plain backprop is the same sweep over one segment holding everything:
-    # the forward pass left all saved activations alive, as a recompute would.
-    alive_kept = sum(size[n] for n in kept if n in size)
+    alive_kept = sum(size[n] for n in kept)
     grad_sums = {}
     peak = alive_kept
-    for name, boundary, members in segments:
-        members = sorted(set(members), key=index.get)
-        saved = sum(size[n] for n in members if graph.nodes[n].get("saved", True))
-        flight = {}
-        for b in boundary:
-            if b in kept:
-                flight[b] = grad_sums.pop(b, size[b])
-            else:
-                flight[b] = size[b]
-        base = alive_kept + sum(grad_sums.values())
-        peak = max(peak, base + saved + sum(flight.values()))
+    for (name, boundary, members), touched in zip(segments, reads):
+        saved = sum(size[n] for n in members if p.saved[n])
+        flight = {b: (grad_sums.pop(b, size[b]) if b in kept else size[b]) for b in boundary}
+        in_flight = sum(flight.values())
+        sums = sum(grad_sums.values())
+        peak = max(peak, alive_kept + sums + saved + in_flight)
         for n in reversed(members):
             g = flight.pop(n, 0)
-            outputs = 0
-            for p in graph.predecessors(n):
-                if graph.nodes[p].get("x"):
-                    continue
-                if p in kept:
-                    if p in grad_sums:
-                        outputs += size[p]  # a partial, added into the running sum
-                    grad_sums[p] = size[p]
-                elif p not in flight:
-                    flight[p] = size[p]
-                    outputs += size[p]
-            base = alive_kept + sum(grad_sums.values())
-            peak = max(peak, base + saved + sum(flight.values()) + g + outputs)
-            if graph.nodes[n].get("saved", True):
+            in_flight -= g
+            partials = 0
+            for q in p.preds[n]:
+                if q in kept:
+                    if q in grad_sums:
+                        partials += size[q]  # added into the running sum, then freed
+                    else:
+                        grad_sums[q] = size[q]
+                        sums += size[q]
+                elif q not in flight:
+                    flight[q] = size[q]
+                    in_flight += size[q]
+            peak = max(peak, alive_kept + sums + saved + in_flight + g + partials)
+            if p.saved[n]:
                 saved -= size[n]
-        for k in {p for n in members for p in graph.predecessors(n) if p in kept}:
+        for k in touched:
             readers[k] -= 1
             if readers[k] == 0:
-                alive_kept -= size.get(k, 0)
+                alive_kept -= size[k]
     return int(peak)
