@@ -1,8 +1,12 @@
 """Peak memory and step time versus depth, for plain tf.gradients and memsave.
 
-Run ``python -m benchmarks.depth`` (all depths) or ``--demo`` (a subset that
-finishes in a few minutes on 2 cores). Writes JSON, a Markdown table and a
-PNG plot to ``benchmarks/results/``.
+Run ``python -m benchmarks.depth`` (depths 8..256) or ``--demo`` (8..128,
+a few minutes on 2 cores). Writes JSON (machine, TF version, every figure,
+and the growth/ratio checks), a Markdown table and a PNG plot to
+``benchmarks/results/``. Peers run in the same process: Grappler's
+RECOMPUTATION_HEURISTICS memory optimizer (Session) and tf.recompute_grad
+over blocks of ceil(sqrt(n)) layers (tf.function). Step-time ratios are the
+median over alternating (plain, method) pairs.
 
 The meter is memsave.profile.peak_memory: allocator peak above the pre-step
 baseline, BFC allocator, one inter-op thread, measured on CPU.
@@ -54,18 +58,20 @@ def build_resnet(n, rng):
 MODELS = {"chain": build_chain, "resnet": build_resnet}
 
 
-def _timed(step, repeats):
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _grappler_config():
+    from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
+    rewrite = rewriter_config_pb2.RewriterConfig(
+        memory_optimization=rewriter_config_pb2.RewriterConfig.RECOMPUTATION_HEURISTICS)
+    return tf.compat.v1.ConfigProto(
+        graph_options=tf.compat.v1.GraphOptions(rewrite_options=rewrite))
 
 
-def measure_session(model, n, method, repeats):
-    """Peak (activations) and median step seconds for one Session configuration."""
+def session_step_for(model, n, method):
+    """(step callable, session, rewrite seconds) for one Session configuration.
+
+    ``method`` is 'plain', 'grappler' (plain gradients with Grappler's
+    RECOMPUTATION_HEURISTICS memory optimizer) or a memsave strategy.
+    """
     graph = tf.Graph()
     with graph.as_default():
         rng = np.random.RandomState(0)
@@ -75,20 +81,34 @@ def measure_session(model, n, method, repeats):
             h = layer(h, i)
         loss = tf.reduce_mean(h * h)
         start = time.perf_counter()
-        if method == "plain":
+        if method in ("plain", "grappler"):
             grads = tf.gradients(loss, ws)
         else:
             grads = memsave.gradients(loss, ws, checkpoints=method)
         rewrite_s = time.perf_counter() - start
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            step = session_step(sess, grads)
-            peak = peak_memory(step) / ACTIVATION
-            seconds = _timed(step, repeats)
-    return peak, seconds, rewrite_s
+        sess = tf.compat.v1.Session(graph=graph,
+                                    config=_grappler_config() if method == "grappler" else None)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    return session_step(sess, grads), sess, rewrite_s
 
 
-def measure_recompute_grad(model, n, repeats):
+def time_ratio(step, base, repeats):
+    """Median over pairs of (step time / base time), the two run alternately."""
+    step()
+    base()
+    ratios, times = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        base()
+        mid = time.perf_counter()
+        step()
+        end = time.perf_counter()
+        ratios.append((end - mid) / (mid - start))
+        times.append(end - mid)
+    return statistics.median(ratios), statistics.median(times)
+
+
+def recompute_grad_step(model, n):
     """tf.recompute_grad over blocks of ceil(sqrt(n)) layers, inside tf.function."""
     rng = np.random.RandomState(0)
     ws, layer = MODELS[model](n, rng)
@@ -110,38 +130,62 @@ def measure_recompute_grad(model, n, repeats):
                 h = b(h)
             loss = tf.reduce_mean(h * h)
         return tape.gradient(loss, ws)
-
-    peak = peak_memory(step) / ACTIVATION
-    return peak, _timed(step, repeats)
+    return step
 
 
 def run(depths, models, methods, repeats, peers):
     rows = []
     for model in models:
         for n in depths:
-            base = None
-            for method in methods:
+            base, base_sess, _ = session_step_for(model, n, "plain")
+            configs = [(m, "session") for m in methods] + (
+                [("grappler", "session"), ("tf.recompute_grad", "tf.function")] if peers else [])
+            for method, mode in configs:
+                sess, rewrite_s = None, None
                 try:
-                    peak, seconds, rewrite_s = measure_session(model, n, method, repeats)
+                    if method == "tf.recompute_grad":
+                        step = recompute_grad_step(model, n)
+                    elif method == "plain":
+                        step = base
+                    else:
+                        step, sess, rewrite_s = session_step_for(model, n, method)
                 except memsave.NoBottleneckError:
                     continue
-                if method == "plain":
-                    base = seconds
-                rows.append(dict(model=model, depth=n, method=method, mode="session",
+                peak = peak_memory(step) / ACTIVATION
+                ratio, seconds = time_ratio(step, base, repeats)
+                if sess is not None:
+                    sess.close()
+                rows.append(dict(model=model, depth=n, method=method, mode=mode,
                                  peak_activations=round(peak, 2),
                                  step_ms=round(seconds * 1e3, 2),
-                                 time_ratio=round(seconds / base, 3) if base else None,
-                                 rewrite_s=round(rewrite_s, 3)))
-                print("%-7s n=%-4d %-16s peak %7.1f act  step %7.1f ms" % (
-                    model, n, method, peak, seconds * 1e3), file=sys.stderr)
-            if peers:
-                peak, seconds = measure_recompute_grad(model, n, repeats)
-                rows.append(dict(model=model, depth=n, method="tf.recompute_grad",
-                                 mode="tf.function", peak_activations=round(peak, 2),
-                                 step_ms=round(seconds * 1e3, 2),
-                                 time_ratio=round(seconds / base, 3) if base else None,
-                                 rewrite_s=None))
+                                 time_ratio=None if method == "plain" else round(ratio, 3),
+                                 rewrite_s=None if rewrite_s is None else round(rewrite_s, 3)))
+                print("%-7s n=%-4d %-17s peak %7.1f act  step %7.1f ms  ratio %.2f" % (
+                    model, n, method, peak, seconds * 1e3, ratio), file=sys.stderr)
+            base_sess.close()
     return rows
+
+
+def checks(rows):
+    """The figures the benchmark issue asks for, computed from the rows."""
+    out = {}
+    for model in sorted({r["model"] for r in rows}):
+        def peak(method, n):
+            hit = [r["peak_activations"] for r in rows
+                   if r["model"] == model and r["method"] == method and r["depth"] == n]
+            return hit[0] if hit else None
+        depths = sorted({r["depth"] for r in rows if r["model"] == model})
+        top, mid = depths[-1], (64 if 64 in depths else depths[len(depths) // 2])
+        entry = {"depths": [mid, top]}
+        for method in ("plain", "memory", "optimal"):
+            a, b = peak(method, mid), peak(method, top)
+            if a and b:
+                entry["%s_growth_%d_vs_%d" % (method, top, mid)] = round(b / a, 2)
+        ours = [peak(m, top) for m in ("memory", "optimal", "speed") if peak(m, top)]
+        if ours and peak("plain", top):
+            entry["best_memsave_vs_plain_at_%d" % top] = round(peak("plain", top) / min(ours), 2)
+        out[model] = entry
+    return out
 
 
 def markdown(rows, methods):
@@ -161,7 +205,7 @@ def markdown(rows, methods):
                     cells.append("—")
                     continue
                 r = hit[0]
-                ratio = "" if m == "plain" or r["time_ratio"] is None else " (%.2f×)" % r["time_ratio"]
+                ratio = "" if r["time_ratio"] is None else " (%.2f×)" % r["time_ratio"]
                 cells.append("%.1f%s" % (r["peak_activations"], ratio))
             lines.append("| %d | %s |" % (n, " | ".join(cells)))
         lines.append("")
@@ -198,23 +242,28 @@ def main(argv=None):
     parser.add_argument("--demo", action="store_true", help="a subset that runs in minutes")
     parser.add_argument("--depths", type=int, nargs="*")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-peers", action="store_true", help="skip tf.recompute_grad, Grappler")
+    parser.add_argument("--stem", help="output file name stem")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     depths = args.depths or ([8, 16, 32, 64, 128] if args.demo else [8, 16, 32, 64, 128, 256])
-    methods = ["plain", "memory", "speed"]
-    rows = run(depths, ["chain", "resnet"], methods, args.repeats, peers=True)
+    methods = ["plain", "memory", "optimal", "speed"]
+    rows = run(depths, ["chain", "resnet"], methods, args.repeats, peers=not args.no_peers)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "depth_demo" if args.demo else "depth"
+    stem = args.stem or ("depth_demo" if args.demo else "depth")
     meta = dict(tf_version=tf.__version__, python=platform.python_version(),
                 machine=platform.machine(), processor=platform.processor(),
                 cpus=os.cpu_count(), batch=BATCH, width=WIDTH, activation_bytes=ACTIVATION,
                 meter="allocator peak above pre-step baseline, BFC, 1 inter-op thread, CPU")
-    (out / (stem + ".json")).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    table = markdown(rows, methods + ["tf.recompute_grad"])
+    summary = checks(rows)
+    (out / (stem + ".json")).write_text(json.dumps(dict(meta=meta, rows=rows, checks=summary),
+                                                   indent=1))
+    table = markdown(rows, methods + ["grappler", "tf.recompute_grad"])
     (out / (stem + ".md")).write_text(table)
     plot(rows, out / (stem + ".png"))
     print(table)
+    print("checks: %s" % json.dumps(summary))
     print("wrote %s.{json,md,png} in %s" % (stem, out))
 
 

@@ -1,0 +1,40 @@
+"""Every benchmark runs end to end at a tiny size, so none can rot."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(args, tmp_path):
+    out = subprocess.run([sys.executable, "-m"] + args + ["--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_depth_benchmark_tiny(tmp_path):
+    stdout = _run(["benchmarks.depth", "--depths", "4", "8", "--repeats", "1", "--stem", "t"],
+                  tmp_path)
+    data = json.loads((tmp_path / "t.json").read_text())
+    methods = {r["method"] for r in data["rows"]}
+    assert {"plain", "memory", "optimal", "speed", "grappler", "tf.recompute_grad"} <= methods
+    assert data["meta"]["tf_version"]
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert "| depth |" in stdout
+    for row in data["rows"]:
+        assert row["peak_activations"] > 0
+
+
+def test_plan_speed_benchmark_tiny(tmp_path):
+    _run(["benchmarks.plan_speed", "--sizes", "200"], tmp_path)
+    rows = json.loads((tmp_path / "plan_speed.json").read_text())
+    assert {r["strategy"] for r in rows} == {"memory", "optimal"}
+
+
+@pytest.mark.parametrize("script", ["examples/unet.py"])
+def test_examples_run(script):
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| 'optimal' |" in out.stdout
