@@ -12,13 +12,14 @@ from tensorflow.python.framework import op_def_registry
 
 from memsave.graph.walk import forward_ops
 
-# Stateful ops that are safe to run again within the same step.
+# Stateful ops that are safe to run again within the same step (inside a
+# function body, where they run in the same op as their gradient's reads).
 RECOMPUTABLE_STATEFUL = frozenset({
     "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
     "VarIsInitializedOp", "Assert",
 })
 
-# Reads of a variable: safe to repeat unless the variable is written in the graph.
+# Top-level reads of a variable: never recomputed (see is_pinned).
 VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 
 # Ops declared stateless that still must not run twice.
@@ -106,14 +107,18 @@ def written_handles(graph, region_ops):
 def is_pinned(op, written=frozenset()):
     """True if ``op`` must not be recomputed.
 
-    ``written`` holds refs of resource handles that are written in the graph:
-    re-reading such a variable in the backward pass could see a new value
-    (e.g. a Keras seed generator advanced during the forward pass).
+    ``written`` holds refs of resource handles written after the region;
+    a control-flow or call op reading such a variable is pinned.
     """
     if op.type in ALWAYS_PINNED:
         return True
     if op.type in VARIABLE_READS:
-        return op.inputs[0].ref() in written
+        # Never re-read a variable in the backward pass: inside tf.function an
+        # optimizer update in the same step may run before the re-read
+        # (Grappler can drop the ordering edge), and the recomputation would
+        # use new weights. The forward read aliases the variable's buffer, so
+        # keeping it costs no activation memory.
+        return True
     if op.type in FUNCTION_CALLS:
         if any(t.dtype.name == "resource" and t.ref() in written for t in op.inputs):
             return True

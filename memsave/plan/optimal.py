@@ -33,6 +33,8 @@ logger = logging.getLogger("memsave")
 class BudgetError(ValueError):
     """No plan fits the requested memory budget."""
 
+    __init__ = Exception.__init__  # re-raised as itself through tf.function
+
 
 def _linearize(graph):
     nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])

@@ -25,6 +25,10 @@ _SINK = ("memsave", "sink")
 class NoBottleneckError(ValueError):
     """The 'memory' strategy found no single-tensor bottleneck."""
 
+    # A plain Exception constructor lets tf.function re-raise this type
+    # as itself instead of wrapping it in a StagingError.
+    __init__ = Exception.__init__
+
 
 def _forced(graph):
     return topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
