@@ -8,13 +8,23 @@ import logging
 from memsave.api import (gradients, gradients_collection, gradients_memory,
                          gradients_speed, plan)
 from memsave.patch import patch, unpatch
-from memsave.plan import NoBottleneckError, Plan
+from memsave.plan import BudgetError, NoBottleneckError, Plan
+from memsave.tape import GradientTape
 
 logging.getLogger("memsave").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # ``memsave.keras`` imports Keras, so it is only loaded when asked for.
+    if name == "keras":
+        import importlib  # pylint: disable=import-outside-toplevel
+        return importlib.import_module("memsave.keras")
+    raise AttributeError("module 'memsave' has no attribute %r" % (name,))
+
+
 __all__ = [
-    "NoBottleneckError", "Plan", "gradients", "gradients_collection", "gradients_memory",
-    "gradients_speed", "patch", "plan", "unpatch",
+    "BudgetError", "GradientTape", "NoBottleneckError", "Plan", "gradients",
+    "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan", "unpatch",
 ]

@@ -7,6 +7,10 @@
 gradients without edits. ``memsave.unpatch()`` puts back the very same
 function objects. memsave itself differentiates through TensorFlow's
 internal helper, below every patch point, so patching cannot recurse.
+
+``memsave.patch(strategy, tape=True)`` also replaces
+``tf.GradientTape.gradient`` (see :mod:`memsave.tape`), so Keras and other
+tape-based training loops get checkpointed gradients inside ``tf.function``.
 """
 
 import functools
@@ -17,6 +21,7 @@ import tensorflow as tf
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from memsave import api
+from memsave import tape as _tape
 
 logger = logging.getLogger("memsave")
 
@@ -94,13 +99,15 @@ class _Patch:
         return False
 
 
-def patch(strategy="memory", **kwargs):
+def patch(strategy="memory", tape=False, **kwargs):
     """Make TensorFlow's gradient functions use memsave with ``strategy``.
 
     ``strategy`` is anything ``memsave.gradients`` accepts as
     ``checkpoints``; extra keyword arguments (e.g. ``min_checkpoint_size``)
-    are passed along. Usable as a context manager. Patching again only
-    changes the strategy.
+    are passed along. With ``tape=True`` ``tf.GradientTape.gradient`` is
+    replaced too (tapes take the planning options, e.g.
+    ``min_checkpoint_size``). Usable as a context manager. Patching again
+    only changes the strategy (and whether tapes are patched).
     """
     if isinstance(strategy, str) and strategy not in api.STRATEGIES:
         raise ValueError("unknown strategy %r; use one of %s" % (strategy, ", ".join(api.STRATEGIES)))
@@ -113,6 +120,10 @@ def patch(strategy="memory", **kwargs):
             _originals[(module_name, attr)] = original
             setattr(module, attr, (_make_v1 if signature == _V1 else _make_v2)(original))
         logger.info("memsave: tf.gradients and friends now use strategy %r", strategy)
+    if tape:
+        _tape.install(strategy, **_tape.config_kwargs(kwargs))
+    else:
+        _tape.uninstall()
     return _Patch()
 
 
@@ -123,3 +134,4 @@ def unpatch():
         setattr(_module(module_name), attr, original)
     _state["strategy"] = None
     _state["kwargs"] = {}
+    _tape.uninstall()

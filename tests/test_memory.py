@@ -5,7 +5,6 @@ gradients (which every method must return) are small next to the figures.
 """
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import memsave

@@ -5,7 +5,6 @@ import math
 import networkx as nx
 import pytest
 
-from memsave import plan as _  # noqa: F401  (package import works)
 from memsave.plan import NoBottleneckError, bottlenecks, explicit, memory, speed
 
 MB = 2**20

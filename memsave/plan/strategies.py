@@ -7,7 +7,6 @@ A planning graph is a networkx DiGraph of tensors as built by
 """
 
 import logging
-import math
 
 import networkx as nx
 

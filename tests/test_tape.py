@@ -1,0 +1,394 @@
+"""memsave.GradientTape gives tf.GradientTape's gradients, with checkpointing.
+
+Every comparison traces the same forward pass twice in a tf.function, once
+recorded by tf.GradientTape and once by memsave.GradientTape, and checks the
+gradients (max abs difference <= 1e-6) and their None pattern. Tensors are
+tiny, so the tapes use min_checkpoint_size=0 to make 'memory' choose
+checkpoints at all; a counter on memsave.api.gradients proves the rewrite
+ran.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import backprop
+
+import memsave
+from memsave import api, tape as tape_module
+
+ATOL = 1e-6
+WIDTH, BATCH = 16, 8
+
+
+class _Calls(list):
+    """The strategy of each memsave.gradients call; ``kwargs`` holds all arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.kwargs = []
+
+
+@pytest.fixture
+def rewrites(monkeypatch):
+    """Records memsave.gradients calls made by tapes."""
+    calls = _Calls()
+    original = api.gradients
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("checkpoints"))
+        calls.kwargs.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "gradients", recording)
+    return calls
+
+
+def _variables(n, seed, scale=None):
+    rng = np.random.RandomState(seed)
+    scale = scale if scale is not None else 1.0 / np.sqrt(WIDTH)
+    return [tf.Variable((rng.randn(WIDTH, WIDTH) * scale).astype(np.float32)) for _ in range(n)]
+
+
+def _input(seed=7):
+    return tf.constant(np.random.RandomState(seed).randn(BATCH, WIDTH).astype(np.float32))
+
+
+def chain(ws, x):
+    h = x
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+    return h
+
+
+def residual(ws, x):
+    h = x
+    for i in range(0, len(ws), 2):
+        h = h + tf.matmul(tf.nn.relu(tf.matmul(h, ws[i])), ws[i + 1])
+    return tf.tanh(h)
+
+
+def _both(step):
+    """Run ``step(tape_factory)`` with the plain and the memsave tape."""
+    plain = step(lambda **kw: tf.GradientTape(**kw))
+    ours = step(lambda **kw: memsave.GradientTape(min_checkpoint_size=0, **kw))
+    return plain, ours
+
+
+def assert_same(plain, ours, atol=ATOL):
+    flat_p, flat_o = tf.nest.flatten(plain), tf.nest.flatten(ours)
+    tf.nest.assert_same_structure(plain, ours)
+    assert [g is None for g in flat_p] == [g is None for g in flat_o], "None pattern differs"
+    pairs = [(np.asarray(tf.convert_to_tensor(a)), np.asarray(tf.convert_to_tensor(b)))
+             for a, b in zip(flat_p, flat_o) if a is not None]
+    assert pairs, "nothing was compared"
+    worst = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+    assert worst <= atol, "max abs difference %.3g > %g" % (worst, atol)
+    return worst
+
+
+@pytest.mark.parametrize("model,n", [(chain, 16), (residual, 12)])
+def test_matches_tape(model, n, rewrites):
+    ws, x = _variables(n, seed=1, scale=0.3), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                loss = tf.reduce_sum(model(ws, x) ** 2)
+            return tape.gradient(loss, ws)
+        return f()
+
+    assert_same(*_both(step))
+    assert rewrites == ["memory"]
+
+
+def test_output_gradients_and_nested_sources(rewrites):
+    ws = _variables(8, seed=2)
+    named = {"first": ws[0], "rest": ws[1:5], "pair": (ws[5], ws[6]), "last": ws[7]}
+    x = _input()
+    dh = tf.constant(np.random.RandomState(3).randn(BATCH, WIDTH).astype(np.float32))
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                h = chain(ws, x)
+                loss = tf.reduce_mean(h)
+            return tape.gradient([loss, h], named, output_gradients=[tf.constant(3.0), dh])
+        return f()
+
+    plain, ours = _both(step)
+    assert isinstance(ours, dict) and isinstance(ours["pair"], tuple) and len(ours["rest"]) == 4
+    assert_same(plain, ours)
+    assert rewrites
+
+
+@pytest.mark.parametrize("dense_read", [False, True])
+def test_embedding_gradient_stays_sparse(dense_read, rewrites):
+    table = tf.Variable(np.random.RandomState(16).randn(50, WIDTH).astype(np.float32))
+    ws = _variables(6, seed=17)
+    ids = tf.constant([[1, 4, 4, 9], [0, 3, 7, 7]] * (BATCH // 2))
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                h = tf.reduce_mean(tf.gather(table, ids), axis=1)   # ResourceGather
+                if dense_read:
+                    h = h + tf.reduce_sum(table[:2])
+                loss = tf.reduce_sum(chain(ws, h) ** 2)
+            return tape.gradient(loss, [table] + ws)
+        return f()
+
+    plain, ours = _both(step)
+    assert_same(plain, ours)
+    assert type(ours[0]) is type(plain[0])
+    assert isinstance(ours[0], tf.IndexedSlices) != dense_read
+    assert rewrites
+
+
+def test_unconnected_source_none_and_zero(rewrites):
+    ws = _variables(6, seed=4)
+    unused = tf.Variable(np.ones((3, 2), np.float32))
+    x = _input()
+
+    def step(make_tape, mode):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                loss = tf.reduce_sum(chain(ws, x))
+            return tape.gradient(loss, [unused] + ws, unconnected_gradients=mode)
+        return f()
+
+    for mode in (tf.UnconnectedGradients.NONE, tf.UnconnectedGradients.ZERO):
+        plain, ours = _both(lambda make: step(make, mode))
+        assert_same(plain, ours)
+    assert ours[0] is not None and ours[0].shape == (3, 2)
+    assert float(tf.reduce_max(tf.abs(ours[0]))) == 0.0
+    plain, ours = _both(lambda make: step(make, tf.UnconnectedGradients.NONE))
+    assert ours[0] is None
+
+
+@pytest.mark.skipif("optimal" not in api.STRATEGIES, reason="no 'optimal' strategy")
+def test_planning_options_are_passed(rewrites):
+    ws, x = _variables(12, seed=18, scale=0.3), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                loss = tf.reduce_sum(chain(ws, x) ** 2)
+            return tape.gradient(loss, ws)
+        return f()
+
+    plain = step(tf.GradientTape)
+    ours = step(lambda: memsave.GradientTape(checkpoints="optimal", budget=0.5,
+                                             min_checkpoint_size=0))
+    assert_same(plain, ours)
+    assert rewrites == ["optimal"] and rewrites.kwargs[0]["budget"] == 0.5
+    with pytest.raises(TypeError, match="budgt"):
+        memsave.GradientTape(budgt=0.5)
+
+
+def test_tape_semantics_outside_recording(rewrites):
+    """Ops the plain tape did not record are constants for memsave too."""
+    ws, x = _variables(10, seed=5, scale=0.3), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f(x):
+            before = tf.tanh(tf.matmul(x, ws[0]))         # built before the tape
+            with make_tape() as tape:
+                tape.watch(x)
+                h = tf.tanh(tf.matmul(x, ws[0])) * before
+                for w in ws[1:]:
+                    h = tf.tanh(tf.matmul(h, w)) + before
+                with tape.stop_recording():
+                    scale = tf.reduce_sum(h)               # not recorded
+                h = h * scale
+                loss = tf.reduce_sum(h * h)
+                unwatched = x * 2.0                      # recorded: x is watched
+            after = loss * 3.0                           # built after the tape
+            return tape.gradient([loss, after], [ws, x, before, unwatched, scale])
+        return f(x)
+
+    plain, ours = _both(step)
+    assert_same(plain, ours)
+    assert plain[2] is None and plain[4] is None
+    assert rewrites
+
+
+def test_watch_accessed_variables_false(rewrites):
+    ws, x = _variables(6, seed=6), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape(watch_accessed_variables=False) as tape:
+                tape.watch(ws[2:])
+                loss = tf.reduce_sum(chain(ws, x))
+            return tape.gradient(loss, ws)
+        return f()
+
+    plain, ours = _both(step)
+    assert plain[0] is None and plain[1] is None
+    assert_same(plain, ours)
+
+
+def test_persistent_tape_twice(rewrites):
+    ws, x = _variables(8, seed=8), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape(persistent=True) as tape:
+                h = chain(ws, x)
+                a = tf.reduce_sum(h)
+                b = tf.reduce_mean(h * h)
+            return tape.gradient(a, ws), tape.gradient(b, ws[::2])
+        return f()
+
+    assert_same(*_both(step))
+    assert len(rewrites) == 2
+
+
+def test_higher_order_uses_plain_tape(caplog, rewrites):
+    """An outer tape must record the inner gradient: memsave steps aside."""
+    ws, x = _variables(4, seed=15), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with tf.GradientTape() as outer:
+                with make_tape() as inner:
+                    loss = tf.reduce_sum(chain(ws, x) ** 2)
+                grads = inner.gradient(loss, ws)
+                penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+            return outer.gradient(penalty, ws)
+        return f()
+
+    tape_module.reset_warnings()
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        assert_same(*_both(step), atol=1e-5)
+    assert not rewrites
+    assert any("another GradientTape" in r.getMessage() for r in caplog.records)
+
+
+def test_non_persistent_tape_is_used_up():
+    ws, x = _variables(4, seed=9), _input()
+
+    @tf.function
+    def f():
+        with memsave.GradientTape(min_checkpoint_size=0) as tape:
+            loss = tf.reduce_sum(chain(ws, x))
+        tape.gradient(loss, ws)
+        return tape.gradient(loss, ws)
+
+    with pytest.raises(RuntimeError, match="non-persistent"):
+        f()
+
+
+def test_eager_fallback_warns_once(caplog, rewrites):
+    ws, x = _variables(4, seed=10), _input()
+    tape_module.reset_warnings()
+    results = []
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        for _ in range(3):
+            with memsave.GradientTape() as tape:
+                loss = tf.reduce_sum(chain(ws, x))
+            results.append(tape.gradient(loss, ws))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(chain(ws, x))
+    plain = tape.gradient(loss, ws)
+    assert_same(plain, results[-1])
+    warnings = [r for r in caplog.records if "tf.function" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert not rewrites
+
+
+def test_no_bottleneck_raises():
+    """Every activation is bypassed by a skip to the output: 'memory' cannot cut."""
+    ws, x = _variables(6, seed=11), _input()
+
+    @tf.function
+    def f():
+        with memsave.GradientTape(min_checkpoint_size=0) as tape:
+            h, total = x, 0.0
+            for w in ws:
+                z = tf.matmul(h, w)
+                h = tf.tanh(z)
+                total = total + tf.reduce_sum(z) + tf.reduce_sum(h)
+        return tape.gradient(total, ws)
+
+    with pytest.raises(memsave.NoBottleneckError):
+        f()
+
+
+def test_patch_tape_routes_plain_tapes_and_unpatch_restores(rewrites):
+    original = tf.GradientTape.gradient
+    assert original is backprop.GradientTape.__dict__["gradient"]
+    originals = {k: backprop.GradientTape.__dict__[k]
+                 for k in ("gradient", "jacobian", "batch_jacobian")}
+    ws, x = _variables(8, seed=12), _input()
+
+    def step():
+        @tf.function
+        def f():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(chain(ws, x))
+            return tape.gradient(loss, ws)
+        return f()
+
+    plain = step()
+    assert not rewrites
+    with memsave.patch("memory", tape=True, min_checkpoint_size=0):
+        assert tf.GradientTape.gradient is not original
+        ours = step()
+        assert rewrites == ["memory"]
+    assert tf.GradientTape.gradient is original
+    for name, fn in originals.items():
+        assert backprop.GradientTape.__dict__[name] is fn
+    assert_same(plain, ours)
+
+    memsave.patch("speed", tape=True)
+    memsave.patch("speed")            # tape=False again: tapes are unpatched
+    assert tf.GradientTape.gradient is original
+    memsave.unpatch()
+    memsave.unpatch()
+    assert tf.GradientTape.gradient is original
+    step()
+    assert rewrites == ["memory"]
+
+
+def test_scope_is_per_block(rewrites):
+    original = tf.GradientTape.gradient
+    ws, x = _variables(6, seed=13), _input()
+
+    @tf.function
+    def f():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(chain(ws, x))
+        return tape.gradient(loss, ws)
+
+    with tape_module.scope("speed"):
+        assert tf.GradientTape.gradient is not original
+        f()
+    assert tf.GradientTape.gradient is original
+    assert rewrites == ["speed"]
+
+
+def test_jacobian_uses_plain_gradient(rewrites):
+    w = tf.Variable(np.random.RandomState(14).randn(3, 3).astype(np.float32))
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape(persistent=True) as tape:
+                y = tf.tanh(tf.matmul(tf.ones([2, 3]), w))
+            return tape.jacobian(y, w)
+        return f()
+
+    assert_same(*_both(step))
+    assert not rewrites
