@@ -12,7 +12,7 @@ def _dense(g):
     return g
 
 
-def _grads(model_out, strategy, **kwargs):
+def _grads(model_out, strategy, memsave_kwargs=None, **kwargs):
     ys, xs, grad_ys = model_out["ys"], model_out["xs"], model_out.get("grad_ys")
     if strategy == "list":
         checkpoints = model_out["tag"]
@@ -24,7 +24,7 @@ def _grads(model_out, strategy, **kwargs):
     plain = tf.gradients(ys, xs, grad_ys, **kwargs)
     # Test tensors are tiny; let 'memory' consider all of them.
     ours = memsave.gradients(ys, xs, grad_ys, checkpoints=checkpoints, min_checkpoint_size=0,
-                             **kwargs)
+                             **(memsave_kwargs or {}), **kwargs)
     return plain, ours
 
 
@@ -70,3 +70,8 @@ def assert_same(pattern, values, atol=1e-6):
     worst = max(float(np.max(np.abs(a - b))) for a, b in values)
     assert worst <= atol, "max abs difference %.3g > %.1g" % (worst, atol)
     return worst
+
+
+def run_budgeted(runner, model, budget):
+    """``runner`` (run_session or run_function) with 'optimal' and a budget."""
+    return runner(model, "optimal", memsave_kwargs={"budget": budget})

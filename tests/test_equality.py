@@ -52,3 +52,11 @@ def test_control_flow_and_calls_are_recomputed():
         copied = {op.type for op in graph.get_operations()[before:]
                   if op.name.startswith("memsave_")}
     assert {"If", "While", "StatefulPartitionedCall"} <= copied, copied
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", ["chain20", "resnet", "unet", "dense"])
+def test_budgeted_plans_equal_plain(name, mode):
+    from tests.helpers import run_budgeted
+    pattern, values = run_budgeted(MODES[mode], models.ALL[name](), budget=0.8)
+    assert_same(pattern, values)
