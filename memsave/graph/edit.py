@@ -9,9 +9,12 @@ import gc
 import logging
 import weakref
 
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.framework import func_graph as tf_func_graph
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.framework import tensor_shape
+from tensorflow.python.ops import control_flow_util_v2 as cf_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 
@@ -89,13 +92,22 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
     # a Session may already have run.
     with graph.name_scope(None), graph.control_dependencies(None):
         for op in order:
+            name = "%s/%s" % (scope, op.name)
+            inputs = [source(t) for t in op.inputs]
+            control = [copies.get(c, c) for c in op.control_inputs] + wait_for
+            if control and op.type in _GROWS_INPUTS:
+                inputs[0] = _gated(graph, inputs[0], control, op.device, name + "/memsave_gate")
+                control = []
+            attrs = dict(op.node_def.attr)
+            if op.type in _REWRITTEN_BY_GRADIENT:
+                attrs = _with_own_functions(op, attrs)
             new = graph._create_op_internal(  # pylint: disable=protected-access
                 op.type,
-                [source(t) for t in op.inputs],
+                inputs,
                 dtypes=[o.dtype for o in op.outputs],
                 input_types=op._input_types,  # pylint: disable=protected-access
-                name="%s/%s" % (scope, op.name),
-                attrs=dict(op.node_def.attr),
+                name=name,
+                attrs=attrs,
                 op_def=op.op_def,
                 compute_device=False)
             new._set_device(op.device)  # pylint: disable=protected-access
@@ -103,7 +115,6 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
             for old_t, new_t in zip(op.outputs, new.outputs):
                 new_t.set_shape(old_t.shape)
                 handle_data_util.copy_handle_data(old_t, new_t)
-            control = [copies.get(c, c) for c in op.control_inputs] + wait_for
             if control:
                 new._add_control_inputs(control)  # pylint: disable=protected-access
             copies[op] = new
@@ -111,21 +122,94 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
     return copies
 
 
+# while_v2's gradient, in a plain Graph, appends accumulator inputs to the
+# forward While. A NodeDef must list data inputs before control inputs, so a
+# copied While cannot carry control inputs itself; it waits through a gated
+# first input (the loop counter) instead.
+_GROWS_INPUTS = frozenset({"While", "StatelessWhile"})
+
+# cond_v2/while_v2 gradients may rewrite the forward op to expose its
+# intermediates, naming the new functions after the old ones plus
+# "_rewritten". A copy sharing the original's functions would collide with
+# the original's own rewrite (or another copy's), so copies get their own.
+_REWRITTEN_BY_GRADIENT = frozenset({
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"})
+
+
+def _gated(graph, t, control, device, name):
+    """An Identity of ``t`` that runs only after the ops in ``control``."""
+    gate = graph._create_op_internal(  # pylint: disable=protected-access
+        "Identity", [t], dtypes=[t.dtype], name=name,
+        attrs={"T": attr_value_pb2.AttrValue(type=t.dtype.as_datatype_enum)},
+        compute_device=False)
+    gate._set_device(device)  # pylint: disable=protected-access
+    gate.outputs[0].set_shape(t.shape)
+    handle_data_util.copy_handle_data(t, gate.outputs[0])
+    gate._add_control_inputs(control)  # pylint: disable=protected-access
+    _created_ops.add(gate)
+    return gate.outputs[0]
+
+
+def _function_input_shapes(op):
+    if op.type in ("While", "StatelessWhile"):
+        return [tensor_shape.TensorShape(s) for s in op.get_attr("output_shapes")]
+    return [t.shape for t in op.inputs[1:]]   # If and Case: the first input selects
+
+
+def _with_own_functions(op, attrs):
+    """``attrs`` with every function attribute pointing at a fresh copy of its function."""
+    renamed = {}
+
+    def fresh(name):
+        if name not in renamed:
+            body = cf_util.get_func_graph(op, _function_input_shapes(op), name)
+            body.name = cf_util.unique_fn_name("", "%s_memsave" % name)
+            renamed[name] = cf_util.create_new_tf_function(body)
+        return renamed[name]
+
+    out = {}
+    for key, value in attrs.items():
+        if value.HasField("func"):
+            value = attr_value_pb2.AttrValue(
+                func=attr_value_pb2.NameAttrList(name=fresh(value.func.name),
+                                                 attr=value.func.attr))
+        elif value.HasField("list") and value.list.func:
+            value = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                func=[attr_value_pb2.NameAttrList(name=fresh(f.name), attr=f.attr)
+                      for f in value.list.func]))
+        out[key] = value
+    return out
+
+
 def graph_tensor(x, graph):
     """The graph tensor that stands for ``x`` in ``graph``.
 
     Resource variables become their handle. Inside a ``tf.function`` the
     handle of a variable created outside is an EagerTensor; it is captured
-    into the FuncGraph, which gives the placeholder ops actually read.
+    into the FuncGraph, which gives the placeholder ops actually read. So are
+    tensors of graphs enclosing the FuncGraph; a tensor of an unrelated graph
+    is returned unchanged.
     """
     if resource_variable_ops.is_resource_variable(x):
         x = x.handle
     elif hasattr(x, "value") and resource_variable_ops.is_resource_variable(getattr(x, "value", None)):
         # Keras 3 variables wrap a tf.Variable in ``.value``.
         x = x.value.handle
-    if isinstance(x, tf_ops.EagerTensor) or (
-            hasattr(x, "graph") and x.graph is not graph and isinstance(graph, tf_func_graph.FuncGraph)):
+    if isinstance(x, tf_ops.EagerTensor):
         if not isinstance(graph, tf_func_graph.FuncGraph):
             raise ValueError("%r belongs to another graph than the one being differentiated" % (x,))
+        return graph.capture(x)
+    x_graph = getattr(x, "graph", None)
+    if x_graph is not None and _is_outer_graph(x_graph, graph):
         x = graph.capture(x)
+    # Anything else is returned as it is; the caller reports a foreign graph.
     return x
+
+
+def _is_outer_graph(outer, graph):
+    """True if ``outer`` encloses the FuncGraph ``graph`` (so it can be captured)."""
+    while isinstance(graph, tf_func_graph.FuncGraph):
+        graph = graph.outer_graph
+        if graph is outer:
+            return True
+    return False
