@@ -10,6 +10,7 @@ from tensorflow.python.framework import tensor as tf_tensor
 # ``memsave.plan`` is also the public function below, so import the modules.
 from memsave.plan import strategies as planning
 from memsave.plan.optimal import optimal
+from memsave.plan.plan import Plan
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
 from memsave.rewrite import plain_gradients, rewrite
@@ -98,8 +99,11 @@ def _explicit_checkpoints(items, graph, region):
         if t.graph is not graph:
             raise ValueError("checkpoint %s is in another graph than ys" % t.name)
         tensors.append(t)
-    off_path = [t.name for t in tensors if t.op not in region.ops
-                and not any(t is x for x in region.xs) and not any(t is y for y in region.ys)]
+    ends = {t.ref() for t in region.leaf_xs} | {t.ref() for t in region.ys}
+    for t in tensors:
+        if t.ref() in ends and t.op not in region.ops:   # region ys: see planning.explicit
+            logger.debug("memsave: checkpoint %s is an x or a y; ignored", t.name)
+    off_path = [t.name for t in tensors if t.op not in region.ops and t.ref() not in ends]
     if off_path:
         logger.warning("memsave: %d checkpoint(s) are not between xs and ys and are not used: %s",
                        len(off_path), ", ".join(off_path))
@@ -200,4 +204,8 @@ def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, b
     graph = _validate(ys, xs, None)
     with graph.as_default():
         region = analyze(ys, _resolve_xs(xs, graph))
+        if not region.ops:
+            # As memsave.gradients: nothing to differentiate, so nothing to keep.
+            return Plan(checkpoints if isinstance(checkpoints, str) else "list", [],
+                        notes=["none of the ys depends on the xs"])
         return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size)

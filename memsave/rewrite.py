@@ -92,14 +92,18 @@ def _checkpoint_levels(region, checkpoints, stop):
 def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
     """Gradients of ``region.ys`` w.r.t. ``region.xs``, recomputing between ``checkpoints``.
 
-    ``checkpoints`` must be region tensors other than xs and ys, and must
-    include ``region.forced``. Returns one gradient (or None) per x.
+    ``checkpoints`` must be region tensors and must include
+    ``region.forced`` (which holds the xs computed inside the region). A y
+    among them starts with its ``grad_ys``. Returns one gradient (or None)
+    per x.
     """
     ys, xs = region.ys, region.xs
     unconnected = grad_kwargs.pop("unconnected_gradients", UnconnectedGradients.NONE)
     user_stops = list(grad_kwargs.pop("stop_gradients", None) or [])
     stop = {t.ref(): t for t in checkpoints}
-    x_refs = {x.ref() for x in xs}
+    # xs computed inside the region are checkpoints (region.forced): their
+    # gradients accumulate like a checkpoint's. Each leaf x is asked once.
+    leaf_xs = list({x.ref(): x for x in region.leaf_xs}.values())
     within = region.copyable
     d_cp, d_xs = _Accumulator(), _Accumulator()
     segment = 0
@@ -118,7 +122,7 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
 
         readers = set(ops) | {t.op for t in boundary if t.op not in copies}
         asked_cp = {t.ref(): t for op in readers for t in op.inputs if t.ref() in stop}
-        asked_x = [x for x in xs
+        asked_x = [x for x in leaf_xs
                    if any(c in readers for c in x.consumers()) or any(x is b for b in boundary)]
         targets = list(asked_cp.values()) + asked_x
         if not targets:
@@ -127,17 +131,29 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
         grads_out = plain_gradients(
             [copied(t) for t in boundary], targets, grad_ys=grads, name=name,
             stop_gradients=stops, **grad_kwargs)
-        sums = [(d_xs if t.ref() in x_refs else d_cp).add(t, g) for t, g in zip(targets, grads_out)]
+        sums = [d_cp.add(t, g) for t, g in zip(asked_cp.values(), grads_out)]
+        sums += [d_xs.add(t, g) for t, g in zip(asked_x, grads_out[len(asked_cp):])]
         logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint(s) and %d x(s)",
                      segment - 1, len(copies), len(asked_cp), len(asked_x))
         # The next segment waits for the running sums, not just the partials,
         # so each partial is folded in (and freed) before more is recomputed.
         return [g for g in sums if g is not None]
 
-    wait = [y.op for y in ys] + [g.op for g in (grad_ys or []) if g is not None]
-    produced = run_segment(ys, [y.op for y in ys], grad_ys, wait)
-    if produced:
-        wait = [_op(g) for g in produced]
+    wait = [y.op for y in ys] + [_op(g) for g in (grad_ys or []) if g is not None]
+    # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
+    # first segment runs from the other ys down to the checkpoints.
+    top, top_grads = [], []
+    for i, y in enumerate(ys):
+        g = grad_ys[i] if grad_ys else None
+        if y.ref() in stop:
+            d_cp.add(y, g if g is not None else array_ops.ones_like(y))
+        else:
+            top.append(y)
+            top_grads.append(g)
+    if top:
+        produced = run_segment(top, [y.op for y in top], top_grads if grad_ys else None, wait)
+        if produced:
+            wait = [_op(g) for g in produced]
 
     for level in reversed(_checkpoint_levels(region, checkpoints, stop)):
         active = [ref.deref() for ref in level if d_cp.total(ref.deref()) is not None]
@@ -150,7 +166,7 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
 
     results = []
     for x in xs:
-        g = d_xs.total(x)
+        g = d_cp.total(x) if x.ref() in stop else d_xs.total(x)
         if g is None and unconnected == UnconnectedGradients.ZERO:
             g = gradients_util._ZerosLike(x)  # pylint: disable=protected-access
         results.append(g)

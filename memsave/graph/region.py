@@ -71,6 +71,11 @@ class Region:
     def copyable(self):
         return self.ops - self.pinned
 
+    @property
+    def leaf_xs(self):
+        """The xs not computed inside the region (from other xs)."""
+        return [x for x in self.xs if x.op not in self.ops]
+
     def tensors(self):
         """Region op outputs in topological order."""
         return [t for op in self.order for t in op.outputs]
@@ -85,23 +90,29 @@ def has_gradient(op):
 
 
 def analyze(ys, xs):
-    """Find the region between graph tensors ``xs`` and ``ys``."""
+    """Find the region between graph tensors ``xs`` and ``ys``.
+
+    An x computed from another x (``tf.gradients(loss, [x, tanh(x)])``) is
+    part of the region and a forced checkpoint: like ``tf.gradients``, its
+    gradient is the total one, and it carries on to the xs below it.
+    """
     graph = ys[0].graph
     behind_ys = backward_ops([y.op for y in ys])
     starts = [c for x in xs for c in x.consumers() if c in behind_ys]
-    x_ops = {x.op for x in xs}
-    ops = forward_ops(starts, within=behind_ys) - x_ops
+    ops = forward_ops(starts, within=behind_ys)
     order = topo_order(ops)
     written = written_handles(graph, ops) if ops else set()
     pinned = {op for op in order if is_pinned(op, written)}
-    x_refs = {x.ref() for x in xs}
     forced, seen = [], set()
 
     def force(t):
-        if t.ref() not in seen and t.ref() not in x_refs:
+        if t.ref() not in seen:
             seen.add(t.ref())
             forced.append(t)
 
+    for x in xs:
+        if x.op in ops:
+            force(x)
     for op in order:
         if op not in pinned:
             continue
@@ -163,7 +174,8 @@ def to_plan_graph(region, batch_size=None):
     op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
     ``saved`` (read by some gradient, so backprop keeps it alive),
     ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
-    still runs) and ``candidate`` (may be chosen as a checkpoint). The graph
+    still runs) and ``candidate`` (may be chosen as a checkpoint; forced
+    tensors are kept anyway, so they are no candidates). The graph
     attribute ``unknown_dims`` counts tensors whose shape was not fully known.
     """
     g = nx.DiGraph()
@@ -175,11 +187,12 @@ def to_plan_graph(region, batch_size=None):
         reads_output.update(t.name for t in outs)
     y_names = {y.name for y in region.ys}
     forced = {t.name for t in region.forced}
-    for i, x in enumerate(region.xs):
-        g.add_node(x.name, order=-len(region.xs) + i, elements=num_elements(x.shape),
+    leaf_xs = region.leaf_xs
+    for i, x in enumerate(leaf_xs):
+        g.add_node(x.name, order=-len(leaf_xs) + i, elements=num_elements(x.shape),
                    bytes=None, cost=0.0, op_type=x.op.type, x=True, y=False,
                    forced=False, candidate=False)
-    x_names = {x.name for x in region.xs}
+    x_names = {x.name for x in leaf_xs}
     index = 0
     for op in region.order:
         cost = op_cost(op)
@@ -193,7 +206,8 @@ def to_plan_graph(region, batch_size=None):
                        forced=t.name in forced, saved=t.name in saved,
                        grad_reads_output=t.name in reads_output,
                        candidate=(differentiable(t) and t.name not in y_names
-                                  and op not in region.pinned and not alias))
+                                  and t.name not in forced and op not in region.pinned
+                                  and not alias))
             index += 1
             if not t.shape.is_fully_defined():
                 g.graph["unknown_dims"] = g.graph.get("unknown_dims", 0) + 1

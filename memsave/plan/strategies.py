@@ -20,6 +20,9 @@ SPEED_OP_TYPES = EXPENSIVE | {"_FusedMatMul", "_FusedConv2D"}
 
 _SINK = ("memsave", "sink")
 
+# Ops whose output is just a view of an x (a variable's current value).
+INPUT_READS = frozenset({"ReadVariableOp"})
+
 
 class NoBottleneckError(ValueError):
     """The 'memory' strategy found no single-tensor bottleneck."""
@@ -75,12 +78,18 @@ def speed(graph, op_types=SPEED_OP_TYPES):
 def bottlenecks(graph):
     """Tensors whose removal cuts some activations off from the ys.
 
-    These are the articulation points of the undirected region (with a sink
-    joined to every y) that separate some activation bytes from the sink
-    (cutting off only an x and its variable read does not count): everything on the far side is an ancestor that the checkpoint
-    lets backprop forget. Returned in topological order.
+    These are the articulation points of the undirected region without the
+    xs and their variable reads (with a sink joined to every y) that separate
+    some activation bytes from the sink: everything on the far side is an
+    ancestor that the checkpoint lets backprop forget. Returned in
+    topological order.
     """
     und = nx.Graph(graph.to_undirected(as_view=True))
+    # xs and reads of them are alive for the whole step: a path through them
+    # (a weight shared by layers, a weight-decay term) never makes backprop
+    # keep or recompute an activation, so it must not hide a bottleneck.
+    und.remove_nodes_from([n for n, d in graph.nodes(data=True)
+                           if d.get("x") or d.get("op_type") in INPUT_READS])
     ys = [n for n, d in graph.nodes(data=True) if d.get("y")]
     und.add_edges_from((_SINK, y) for y in ys)
     if und.number_of_nodes() < 3:
@@ -90,8 +99,8 @@ def bottlenecks(graph):
         return []
 
     def weight(n):
-        # Activation bytes (unknown size counts); xs and variable reads hold none.
-        if n == _SINK or graph.nodes[n].get("x"):
+        # Activation bytes (an unknown size counts).
+        if n == _SINK:
             return 0
         b = graph.nodes[n].get("bytes")
         return 1 if b is None else b

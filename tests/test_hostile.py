@@ -1,0 +1,513 @@
+"""Hostile inputs: a clear error naming the problem, or the documented behaviour.
+
+Every error case asserts the exception type *and* a fragment of the message.
+Valid-but-odd inputs are compared with plain ``tf.gradients`` in the same
+Session run (``|a - b| <= 1e-5 * max(1, |a|)``, same None pattern). The
+"no side effects" tests check that rewriting leaves every pre-existing op
+(inputs, attributes, control inputs), the graph's collections and the
+forward values exactly as they were. (That importing memsave patches
+nothing is tests/test_patch.py::test_import_patches_nothing.)
+"""
+
+import logging
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+
+RTOL = 1e-5
+
+
+def _chain(n=6, graph=None):
+    graph = graph or tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4, name="w%d" % i)
+              for i in range(n)]
+        x = tf.constant(rng.randn(4, 8).astype(np.float32), name="x")
+        h, hs = x, []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            hs.append(h)
+        loss = tf.reduce_sum(h * h)
+    return graph, x, ws, hs, loss
+
+
+def _assert_equal_grads(sess, plain, ours, feed=None):
+    assert [g is None for g in plain] == [g is None for g in ours], (
+        "None pattern: plain %s, memsave %s" % ([g is None for g in plain],
+                                                [g is None for g in ours]))
+    pairs = [(tf.convert_to_tensor(a), tf.convert_to_tensor(b))
+             for a, b in zip(plain, ours) if a is not None]
+    assert pairs, "nothing to compare"
+    for a, b in sess.run(pairs, feed_dict=feed):
+        assert a.shape == b.shape
+        assert np.all(np.abs(a - b) <= RTOL * np.maximum(1.0, np.abs(a))), float(
+            np.max(np.abs(a - b)))
+
+
+def _run_equal(graph, plain, ours, feed=None):
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        _assert_equal_grads(sess, plain, ours, feed)
+
+
+# ------------------------------------------------------------------ eager
+
+def test_eager_ys_rejected():
+    v = tf.Variable(1.0)
+    with pytest.raises(TypeError, match="eager tensor in ys.*tf.function"):
+        memsave.gradients(v * 2.0, [v])
+
+
+def test_eager_x_with_graph_ys_rejected():
+    graph, _, ws, _, loss = _chain()
+    with pytest.raises(TypeError, match="eager tensor in xs"):
+        memsave.gradients(loss, [tf.constant(1.0)], checkpoints="speed")
+
+
+def test_eager_variable_as_x_of_a_session_graph():
+    graph, _, _, _, loss = _chain()
+    v = tf.Variable(np.ones((8, 8), np.float32))
+    with pytest.raises(ValueError, match="belongs to another graph"):
+        memsave.gradients(loss, [v], checkpoints="speed")
+
+
+# ------------------------------------------------------------------ two graphs
+
+def test_xs_from_another_graph():
+    _, _, _, _, loss = _chain()
+    _, _, other_ws, _, _ = _chain()
+    with pytest.raises(ValueError, match="not in the graph of ys"):
+        memsave.gradients(loss, other_ws, checkpoints="speed")
+
+
+def test_ys_from_two_graphs():
+    _, _, ws, _, loss = _chain()
+    _, _, _, _, other_loss = _chain()
+    with pytest.raises(ValueError, match="live in different graphs"):
+        memsave.gradients([loss, other_loss], ws, checkpoints="speed")
+
+
+def test_checkpoint_from_another_graph():
+    _, _, ws, _, loss = _chain()
+    _, _, _, other_hs, _ = _chain()
+    with pytest.raises(ValueError, match="checkpoint .* is in another graph"):
+        memsave.gradients(loss, ws, checkpoints=[other_hs[2]])
+
+
+def test_grad_ys_from_another_graph():
+    _, _, ws, hs, loss = _chain()
+    _, _, _, _, other_loss = _chain()
+    with pytest.raises(ValueError, match="grad_ys for .* is in another graph"):
+        memsave.gradients(loss, ws, grad_ys=[other_loss], checkpoints=[hs[2]])
+
+
+def test_xs_from_a_foreign_graph_inside_tf_function():
+    _, _, session_ws, _, _ = _chain()
+    v = tf.Variable(np.ones((8, 8), np.float32))
+
+    @tf.function
+    def step():
+        return memsave.gradients(tf.reduce_sum(v * 2.0), session_ws[:1], checkpoints="speed")
+
+    with pytest.raises(ValueError, match="graph"):
+        step()
+
+
+# ------------------------------------------------------------------ bad arguments
+
+@pytest.mark.parametrize("bad,match", [
+    (np.ones(3), "xs must hold tf.Tensor or tf.Variable"),
+    ("MatMul:0", "xs must hold tf.Tensor or tf.Variable"),
+])
+def test_xs_that_are_not_tensors(bad, match):
+    graph, _, _, _, loss = _chain()
+    with graph.as_default(), pytest.raises(TypeError, match=match):
+        memsave.gradients(loss, [bad], checkpoints="speed")
+
+
+def test_empty_ys_and_xs():
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default():
+        with pytest.raises(ValueError, match="ys is empty"):
+            memsave.gradients([], ws)
+        with pytest.raises(ValueError, match="xs is empty"):
+            memsave.gradients(loss, [])
+
+
+def test_ys_not_a_tensor():
+    graph, _, ws, _, _ = _chain()
+    with graph.as_default(), pytest.raises(TypeError, match="ys must hold tf.Tensor"):
+        memsave.gradients(np.ones(3), ws)
+
+
+def test_grad_ys_length_mismatch():
+    graph, _, ws, hs, loss = _chain()
+    with graph.as_default(), pytest.raises(ValueError, match="2 grad_ys for 1 ys"):
+        memsave.gradients(loss, ws, grad_ys=[1.0, 2.0], checkpoints=[hs[2]])
+
+
+@pytest.mark.parametrize("bad", ["op", "variable", "string", "none"])
+def test_checkpoint_that_is_not_a_tensor(bad):
+    graph, _, ws, hs, loss = _chain()
+    item = {"op": hs[2].op, "variable": ws[1], "string": hs[2].name, "none": None}[bad]
+    with graph.as_default(), pytest.raises(TypeError, match="checkpoints must be tf.Tensor"):
+        memsave.gradients(loss, ws, checkpoints=[hs[1], item])
+
+
+@pytest.mark.parametrize("bad", [None, 3, {"memory"}])
+def test_checkpoints_argument_of_the_wrong_type(bad):
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default(), pytest.raises(TypeError, match="strategy name .* or a list of tensors"):
+        memsave.gradients(loss, ws, checkpoints=bad)
+
+
+@pytest.mark.parametrize("name", ["fast", "Memory", ""])
+def test_unknown_strategy(name):
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default(), pytest.raises(ValueError,
+                                           match="unknown checkpoints strategy %r" % name):
+        memsave.gradients(loss, ws, checkpoints=name)
+
+
+def test_unknown_strategy_inside_tf_function():
+    v = tf.Variable(np.ones((4, 4), np.float32))
+
+    @tf.function
+    def step():
+        return memsave.gradients(tf.reduce_sum(tf.tanh(v)), [v], checkpoints="fast")
+
+    with pytest.raises(ValueError, match="unknown checkpoints strategy 'fast'"):
+        step()
+
+
+def test_negative_min_checkpoint_size():
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default(), pytest.raises(ValueError, match="min_checkpoint_size must be >= 0"):
+        memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=-1)
+
+
+@pytest.mark.parametrize("budget", [0, -1, -0.5])
+def test_budget_not_positive(budget):
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default(), pytest.raises(ValueError, match="budget must be > 0"):
+        memsave.gradients(loss, ws, checkpoints="optimal", budget=budget)
+
+
+def test_budget_needs_optimal():
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default(), pytest.raises(ValueError, match="budget= needs checkpoints='optimal'"):
+        memsave.gradients(loss, ws, checkpoints="memory", budget=0.5)
+
+
+def test_unknown_keyword_is_named():
+    graph, _, ws, hs, loss = _chain()
+    with graph.as_default(), pytest.raises(TypeError, match="bogus_option"):
+        memsave.gradients(loss, ws, checkpoints=[hs[2]], bogus_option=1)
+
+
+# ------------------------------------------------------------------ documented behaviour
+
+@pytest.mark.parametrize("strategy", ["memory", "speed", "list"])
+def test_ys_not_depending_on_xs_gives_nones(strategy, caplog):
+    graph, _, ws, hs, _ = _chain()
+    with graph.as_default():
+        unrelated = tf.reduce_sum(tf.constant(np.ones(3, np.float32)) * 2.0)
+        cps = [hs[2]] if strategy == "list" else strategy
+        assert tf.gradients(unrelated, ws) == [None] * len(ws)
+        with caplog.at_level(logging.WARNING, logger="memsave"):
+            grads = memsave.gradients(unrelated, ws, checkpoints=cps, min_checkpoint_size=0)
+        assert grads == [None] * len(ws)
+        assert "none of the ys depends on the xs" in caplog.text
+        zeros = memsave.gradients(unrelated, ws, checkpoints=cps, min_checkpoint_size=0,
+                                  unconnected_gradients="zero")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for z in sess.run(zeros):
+                assert z.shape == (8, 8) and not z.any()
+
+
+def test_plan_when_ys_do_not_depend_on_xs():
+    graph, _, ws, _, _ = _chain()
+    with graph.as_default():
+        unrelated = tf.reduce_sum(tf.constant(np.ones(3, np.float32)) * 2.0)
+        try:
+            plan = memsave.plan(unrelated, ws, "memory", min_checkpoint_size=0)
+        except ValueError as e:
+            assert "depend" in str(e), str(e)
+        else:
+            assert plan.kept == []
+
+
+@pytest.mark.parametrize("which", ["y", "x"])
+def test_checkpoint_that_is_a_y_or_an_x_is_ignored_with_debug_log(which, caplog):
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        xs = [x] + ws
+        bad = loss if which == "y" else x
+        plain = tf.gradients(loss, xs)
+        with caplog.at_level(logging.DEBUG, logger="memsave"):
+            ours = memsave.gradients(loss, xs, checkpoints=[bad, hs[2]])
+        plan = memsave.plan(loss, xs, [bad, hs[2]])
+    assert bad.name not in plan.kept and hs[2].name in plan.kept
+    _run_equal(graph, plain, ours)
+    debug = [r for r in caplog.records
+             if r.name == "memsave" and r.levelno == logging.DEBUG and bad.name in r.getMessage()]
+    assert debug, "no DEBUG record of logger 'memsave' names the ignored checkpoint %s" % bad.name
+    assert "ignored" in debug[0].getMessage()
+
+
+def test_rewrite_after_session_run_is_exact():
+    """memsave only adds ops: a Session that already ran the graph runs them, and
+    the gradients of every strategy are right in that same Session."""
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(loss)
+        plain = tf.gradients(loss, ws)
+        sess.run(plain)
+        for cps in ("memory", "speed", [hs[1], hs[3]]):
+            ours = memsave.gradients(loss, ws, checkpoints=cps, min_checkpoint_size=0)
+            _assert_equal_grads(sess, plain, ours)
+
+
+def test_calling_twice_on_one_graph_identical_arguments():
+    """The same call twice (same checkpoints, so the same copy names) and a
+    different one: all three results are right, in one Session."""
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        plain = tf.gradients(loss, ws)
+        first = memsave.gradients(loss, ws, checkpoints=[hs[2]])
+        second = memsave.gradients(loss, ws, checkpoints=[hs[2]])
+        third = memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for ours in (first, second, third):
+                _assert_equal_grads(sess, plain, ours)
+    assert {t.name for t in first}.isdisjoint({t.name for t in second})
+
+
+def test_calling_twice_inside_tf_function():
+    rng = np.random.RandomState(1)
+    ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4) for _ in range(5)]
+    x = tf.constant(rng.randn(4, 8).astype(np.float32))
+
+    @tf.function
+    def step():
+        h, hs = x, []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            hs.append(h)
+        loss = tf.reduce_sum(h * h)
+        return (tf.gradients(loss, ws), memsave.gradients(loss, ws, checkpoints=[hs[1]]),
+                memsave.gradients(loss, ws, checkpoints=[hs[1]]))
+
+    plain, first, second = step()
+    for a, b, c in zip(plain, first, second):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=RTOL, atol=RTOL)
+        np.testing.assert_allclose(c.numpy(), a.numpy(), rtol=RTOL, atol=RTOL)
+
+
+def _unknown_shape_graph(shape):
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(2)
+        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4) for _ in range(6)]
+        inp = tf.compat.v1.placeholder(tf.float32, shape=shape)
+        h, hs = inp, []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            hs.append(h)
+        # A reshape to a computed shape keeps the batch dimension unknown.
+        h = tf.reshape(h, tf.stack([tf.shape(h)[0], 2, 4]))
+        loss = tf.reduce_sum(h * h)
+    return graph, inp, ws, hs, loss
+
+
+@pytest.mark.parametrize("shape", [[None, 8], [None, None], None], ids=["batch", "dims", "rank"])
+@pytest.mark.parametrize("strategy", ["memory", "speed", "list"])
+def test_unknown_shapes(shape, strategy):
+    graph, inp, ws, hs, loss = _unknown_shape_graph(shape)
+    with graph.as_default():
+        plan = memsave.plan(loss, ws, strategy if strategy != "list" else [hs[2]],
+                            min_checkpoint_size=0)
+        assert plan.kept, plan.summary()
+        plain = tf.gradients(loss, ws)
+        ours = memsave.gradients(loss, ws, checkpoints=strategy if strategy != "list" else
+                                 [hs[2]], min_checkpoint_size=0)
+    feed = {inp: np.random.RandomState(3).randn(5, 8).astype(np.float32)}
+    _run_equal(graph, plain, ours, feed)
+
+
+def test_unknown_batch_inside_tf_function():
+    rng = np.random.RandomState(4)
+    ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4) for _ in range(6)]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    def step(inp):
+        h = inp
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+        return tf.gradients(loss, ws), memsave.gradients(loss, ws, checkpoints="memory",
+                                                         min_checkpoint_size=0)
+
+    plain, ours = step(tf.constant(rng.randn(3, 8).astype(np.float32)))
+    for a, b in zip(plain, ours):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=RTOL, atol=RTOL)
+
+
+def test_duplicated_xs():
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        xs = [ws[0], ws[3], ws[0]]
+        plain = tf.gradients(loss, xs)
+        ours = memsave.gradients(loss, xs, checkpoints=[hs[2]])
+    _run_equal(graph, plain, ours)
+
+
+def test_duplicated_ys_and_checkpoints():
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        plain = tf.gradients([loss, loss], ws)
+        ours = memsave.gradients([loss, loss], ws, checkpoints=[hs[2], hs[2], hs[4]])
+    _run_equal(graph, plain, ours)
+
+
+def test_y_that_is_also_an_x():
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        xs = [hs[3]] + ws
+        plain = tf.gradients([hs[3], loss], xs)
+        ours = memsave.gradients([hs[3], loss], xs, checkpoints=[hs[1]])
+    _run_equal(graph, plain, ours)
+
+
+def test_int_tensors_as_checkpoint_and_as_x():
+    """An int32 checkpoint (a computed shape) and an int x (no gradient: None)."""
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        shape = tf.raw_ops.Shape(input=hs[3])
+        total = loss + tf.reduce_sum(tf.reshape(hs[4], tf.reverse(shape, [0])) * 2.0)
+        xs = [shape] + ws
+        plain = tf.gradients(total, xs)
+        ours = memsave.gradients(total, xs, checkpoints=[shape, hs[1]])
+    assert plain[0] is None
+    _run_equal(graph, plain, ours)
+
+
+@pytest.mark.parametrize("stop", ["between", "checkpoint"])
+def test_stop_gradients_pass_through(stop):
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        cps = [hs[1], hs[4]] if stop == "between" else [hs[3]]
+        plain = tf.gradients(loss, ws, stop_gradients=[hs[3]])
+        ours = memsave.gradients(loss, ws, checkpoints=cps, stop_gradients=[hs[3]])
+    _run_equal(graph, plain, ours)
+
+
+# ------------------------------------------------------------------ no side effects
+
+def _side_effect_graph():
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(5)
+        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4) for _ in range(6)]
+        h = tf.constant(rng.randn(4, 8).astype(np.float32))
+        hs = []
+        for i, w in enumerate(ws):
+            h = tf.tanh(tf.matmul(h, w))
+            if i == 2:
+                h = tf.cond(tf.reduce_sum(h) > -1e9, lambda: h * 1.5, lambda: h)
+            if i == 3:
+                _, h = tf.while_loop(lambda k, s: k < 2,
+                                     lambda k, s: (k + 1, tf.tanh(tf.matmul(s, ws[0]))),
+                                     [tf.constant(0), h])
+            hs.append(h)
+        loss = tf.reduce_sum(h * h)
+        tf.compat.v1.add_to_collection("checkpoints", hs[2])
+    return graph, ws, hs, loss
+
+
+def _graph_state(graph):
+    ops = {op.name: (op.node_def.SerializeToString(deterministic=True),
+                     [t.name for t in op.inputs], [c.name for c in op.control_inputs],
+                     [t.name for t in op.outputs])
+           for op in graph.get_operations()}
+    # Non-empty collections only: TensorFlow's own control-flow gradient code
+    # (plain tf.gradients included) may register an empty 'local_variables' key.
+    collections = {k: [getattr(t, "name", repr(t)) for t in graph.get_collection(k)]
+                   for k in graph.get_all_collection_keys() if graph.get_collection(k)}
+    return ops, collections
+
+
+@pytest.mark.parametrize("strategy", ["memory", "speed", "collection", "list"])
+def test_original_ops_and_collections_untouched(strategy):
+    graph, ws, hs, loss = _side_effect_graph()
+    with graph.as_default():
+        before_ops, before_collections = _graph_state(graph)
+        memsave.gradients(loss, ws, checkpoints=[hs[1], hs[3]] if strategy == "list"
+                          else strategy, min_checkpoint_size=0)
+        after_ops, after_collections = _graph_state(graph)
+    changed = sorted(n for n in before_ops if after_ops[n] != before_ops[n])
+    assert not changed, "memsave changed existing ops: %s" % changed
+    assert after_collections == before_collections
+
+
+def test_forward_values_unchanged_by_rewrite():
+    graph, ws, hs, loss = _side_effect_graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        forward = hs + [loss]
+        before = sess.run(forward)
+        grads = memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0)
+        grads += memsave.gradients(loss, ws, checkpoints=[hs[1], hs[4]])
+        after_alone = sess.run(forward)
+        after_with_grads, _ = sess.run([forward, grads])
+    for a, b, c in zip(before, after_alone, after_with_grads):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_forward_values_unchanged_inside_tf_function():
+    rng = np.random.RandomState(6)
+    ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4) for _ in range(6)]
+    x = tf.constant(rng.randn(4, 8).astype(np.float32))
+
+    def forward():
+        h, hs = x, []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            hs.append(h)
+        return hs, tf.reduce_sum(h * h)
+
+    @tf.function
+    def plain_step():
+        return forward()
+
+    @tf.function
+    def memsave_step():
+        hs, loss = forward()
+        grads = memsave.gradients(loss, ws, checkpoints=[hs[2]])
+        return hs, loss, grads
+
+    hs_a, loss_a = plain_step()
+    hs_b, loss_b, _ = memsave_step()
+    for a, b in zip(hs_a + [loss_a], hs_b + [loss_b]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_calling_memsave_changes_no_global_state():
+    """A call leaves tf.gradients, the recursion limit and the default graph alone."""
+    originals = (tf.gradients, tf.compat.v1.gradients, sys.getrecursionlimit())
+    graph, x, ws, hs, loss = _chain()
+    default_before = tf.compat.v1.get_default_graph()
+    with graph.as_default():
+        memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0)
+        assert graph.get_collection("checkpoints") == []
+    assert (tf.gradients, tf.compat.v1.gradients, sys.getrecursionlimit()) == originals
+    assert tf.compat.v1.get_default_graph() is default_before

@@ -1,0 +1,429 @@
+"""Property tests: on random DAGs nobody hand-picked, memsave equals tf.gradients.
+
+Graphs are drawn as plain data (:mod:`tests.graphgen`) and built in a fresh
+``tf.Graph`` per example (or a fresh ``tf.function`` for the smaller
+function-mode run). For every strategy ('memory', 'speed', 'collection'
+and an explicit list) memsave's gradients must equal plain ``tf.gradients``
+elementwise within ``|a - b| <= 1e-5 * max(1, |a|)``, with the same None
+pattern and the same sparse/dense kind.
+
+'memory' may raise ``NoBottleneckError``; then the graph must really have
+no bottleneck under memsave's documented definition, which is checked by an
+independent brute force (remove each candidate tensor, see whether some
+activation loses its path to the ys). Such graphs must stay a minority.
+When 'memory' does plan, every tensor it keeps must be such a bottleneck.
+
+Hypothesis profiles are registered here: "ci" (the default: derandomized,
+240 Session examples, 40 tf.function examples, 240 planning-only examples,
+no deadline) and "long" (``HYPOTHESIS_PROFILE=long``: 2000 / 333 / 2000,
+random). Each test applies the chosen profile through ``settings(parent=...)``
+rather than loading it globally, so other test files are unaffected.
+"""
+
+import collections
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, Phase, assume, given, note, settings
+from tensorflow.python.framework.ops import EagerTensor
+
+import memsave
+from tests import graphgen
+
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+           HealthCheck.large_base_example]
+settings.register_profile("ci", derandomize=True, max_examples=240, deadline=None,
+                          suppress_health_check=_HEALTH, database=None, print_blob=True)
+settings.register_profile("long", max_examples=2000, deadline=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+N = PROFILE.max_examples          # session-mode examples
+N_FUNCTION = max(N // 6, 10)      # tf.function examples (each traces a new function)
+N_STRICT = N                      # planning-only examples (no session, fast)
+
+RTOL = 1e-5
+STRATEGIES = ("memory", "speed", "collection", "list")
+
+
+# ---------------------------------------------------------------- comparison
+
+def _kind(g):
+    if g is None:
+        return None
+    return "sparse" if isinstance(g, tf.IndexedSlices) else "dense"
+
+
+def _dense(g):
+    return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def assert_close(plain, ours, what):
+    """|a - b| <= 1e-5 * max(1, |a|) everywhere; non-finite entries must match exactly."""
+    a = np.asarray(plain, np.float64)
+    b = np.asarray(ours, np.float64)
+    assert a.shape == b.shape, "%s: shape %s vs %s" % (what, a.shape, b.shape)
+    finite = np.isfinite(a)
+    assert np.array_equal(np.isfinite(b), finite), "%s: non-finite entries differ" % what
+    assert np.array_equal(a[~finite], b[~finite], equal_nan=True), "%s: inf/nan differ" % what
+    err = np.abs(a[finite] - b[finite])
+    bound = RTOL * np.maximum(1.0, np.abs(a[finite]))
+    bad = err > bound
+    assert not bad.any(), "%s: %d entries off, worst |a-b| = %.3g (|a| = %.3g)" % (
+        what, int(bad.sum()), float(err.max()), float(np.abs(a[finite]).max()))
+
+
+def check_pattern(plain, ours, strategy):
+    kinds_plain = [_kind(g) for g in plain]
+    kinds_ours = [_kind(g) for g in ours]
+    assert kinds_plain == kinds_ours, "%s: gradient kinds differ: plain %s, memsave %s" % (
+        strategy, kinds_plain, kinds_ours)
+
+
+# ---------------------------------------------------------------- bottlenecks
+
+def _handles(xs):
+    """Graph tensors for xs: variables by their handle, captured inside tf.function."""
+    graph = tf.compat.v1.get_default_graph()
+    out = []
+    for x in xs:
+        t = x.handle if hasattr(x, "handle") else x
+        if isinstance(t, EagerTensor) or t.graph is not graph:
+            t = graph.capture(t)
+        out.append(t)
+    return out
+
+
+def _region(ys, xs):
+    """Ops on a path from an x to a y (an independent re-derivation)."""
+    behind, stack = set(), [y.op for y in ys]
+    while stack:
+        op = stack.pop()
+        if op not in behind:
+            behind.add(op)
+            stack.extend(t.op for t in op.inputs)
+    ahead, stack = set(), [c for x in xs for c in x.consumers() if c in behind]
+    while stack:
+        op = stack.pop()
+        if op not in ahead and op in behind:
+            ahead.add(op)
+            stack.extend(c for t in op.outputs for c in t.consumers())
+    # An x computed from another x is inside (tf.gradients differentiates through it).
+    return ahead
+
+
+def brute_force_bottlenecks(ys, xs, strict=False):
+    """Names of candidate tensors whose removal cuts some activation off from the ys.
+
+    Nodes are the xs and region op outputs, edges go from op inputs to op
+    outputs, and a sink joins the ys. An activation is any node but an x
+    or a variable read. With ``strict`` the xs (and reads of them) are not
+    nodes at all: they are inputs, alive for the whole step, so a path
+    through them (a shared weight, a weight-decay term) does not make a
+    recomputed segment's activations necessary.
+    """
+    xs = _handles(xs)
+    region = _region(ys, xs)
+    # Leaf xs are inputs; an x computed inside the region is an activation that
+    # memsave must keep (so it is no candidate), but paths through it count.
+    x_names = {x.name for x in xs if x.op not in region}
+    nested_xs = {x.name for x in xs} - x_names
+    adj = collections.defaultdict(set)
+    nodes = set(x_names)
+    reads = set()
+    for op in region:
+        for t in op.outputs:
+            nodes.add(t.name)
+            if op.type == "ReadVariableOp":
+                reads.add(t.name)
+            for i in op.inputs:
+                if i.op in region or i.name in x_names:
+                    adj[i.name].add(t.name)
+                    adj[t.name].add(i.name)
+    sink = "<sink>"
+    y_names = {y.name for y in ys}
+    # A y that is also an x is an input: it gives no path to the ys.
+    for y in (y_names & nodes) - x_names:
+        adj[sink].add(y)
+        adj[y].add(sink)
+    dropped = (x_names | reads) if strict else set()
+
+    def reached(without):
+        seen, stack = {sink}, [sink]
+        while stack:
+            n = stack.pop()
+            for m in adj[n]:
+                if m not in seen and m != without and m not in dropped:
+                    seen.add(m)
+                    stack.append(m)
+        return seen
+
+    # Activations that feed the ys at all (a region op whose only path to
+    # the ys runs through an x has none).
+    activations = {n for n in reached(None) if n != sink and n not in x_names
+                   and n not in reads}
+    candidates = sorted(
+        t.name for op in region if not op.op_def.is_stateful for t in op.outputs
+        if (t.dtype.is_floating or t.dtype.is_complex) and t.name not in y_names
+        and t.name not in nested_xs)
+    found = []
+    for c in candidates:
+        seen = reached(c)
+        if any(a not in seen and a != c for a in activations):
+            found.append(c)
+    return found
+
+
+# ---------------------------------------------------------------- one example
+
+def _call(strategy, built):
+    ys, xs, grad_ys = built["ys"], built["xs"], built["grad_ys"]
+    if strategy == "list":
+        cps = built["checkpoints"]
+    else:
+        cps = strategy
+    return memsave.gradients(ys, xs, grad_ys, checkpoints=cps, min_checkpoint_size=0)
+
+
+def _snapshot(graph):
+    return {op.name: (op.node_def.SerializeToString(deterministic=True),
+                      [t.name for t in op.inputs], [c.name for c in op.control_inputs])
+            for op in graph.get_operations()}
+
+
+def run_session_example(spec, stats):
+    note(repr(spec))
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        variables = graphgen.make_variables(tf, spec)
+        built = graphgen.build(tf, spec, variables)
+        for t in built["checkpoints"]:
+            tf.compat.v1.add_to_collection("checkpoints", t)
+        # The session runs the forward pass before memsave touches the graph.
+        sess.run(tf.compat.v1.global_variables_initializer())
+        # Fetch forward tensors through Identity ops: with oneDNN, Grappler's
+        # remapper fuses sigmoid(x) * x into one op and drops a *fetched*
+        # Sigmoid ("Tensor Sigmoid:0 ... was not found in the Graph"), a
+        # TensorFlow bug unrelated to memsave.
+        forward = [tf.identity(t) for t in built["forward"]]
+        forward_before = sess.run(forward)
+        before = _snapshot(graph)
+        ours = {}
+        for strategy in STRATEGIES:
+            try:
+                ours[strategy] = _call(strategy, built)
+            except memsave.NoBottleneckError:
+                assert strategy == "memory"
+                stats["no_bottleneck"] += 1
+                found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
+                assert not found, "NoBottleneckError, but %s cut the graph" % found
+                continue
+            if strategy == "memory" and _region(built["ys"], _handles(built["xs"])):
+                plan = memsave.plan(built["ys"], built["xs"], "memory", min_checkpoint_size=0)
+                note("memory kept %s" % (plan.checkpoints,))
+                true = set(brute_force_bottlenecks(built["ys"], built["xs"], strict=True))
+                assert set(plan.checkpoints) <= true, (
+                    "'memory' kept non-bottlenecks %s" % sorted(set(plan.checkpoints) - true))
+        stats["examples"] += 1
+        kinds = {op[0] for op in spec.ops}
+        stats["with dropout"] += "dropout" in kinds
+        stats["with embedding"] += "embed" in kinds
+        stats["several ys"] += len(built["ys"]) > 1
+        stats["with grad_ys"] += spec.grad_ys is not None
+        # Rewriting only added ops.
+        after = _snapshot(graph)
+        assert {k: after[k] for k in before} == before, "memsave changed an existing op"
+        # Plain gradients last, as a user adding memsave to a graph would.
+        plain = tf.gradients(built["ys"], built["xs"], built["grad_ys"])
+        for strategy, grads in ours.items():
+            check_pattern(plain, grads, strategy)
+        stats["with a None gradient"] += any(g is None for g in plain)
+        stats["with a sparse gradient"] += any(isinstance(g, tf.IndexedSlices) for g in plain)
+
+        fetch = {"plain": [_dense(g) for g in plain if g is not None],
+                 "forward": forward}
+        for strategy, grads in ours.items():
+            fetch[strategy] = [_dense(g) for g in grads if g is not None]
+        values = sess.run(fetch)
+    # Forward values are unchanged by the rewrite (dropout draws a new mask per run).
+    if not any(op[0] == "dropout" for op in spec.ops):
+        for i, (a, b) in enumerate(zip(forward_before, values["forward"])):
+            assert_close(a, b, "forward tensor %d" % i)
+    for strategy in ours:
+        for i, (a, b) in enumerate(zip(values["plain"], values[strategy])):
+            assert_close(a, b, "%s: gradient %d" % (strategy, i))
+
+
+def run_function_example(spec, stats):
+    note(repr(spec))
+    variables = graphgen.make_variables(tf, spec)
+    out = {}
+
+    @tf.function
+    def step():
+        built = graphgen.build(tf, spec, variables)
+        results, grads_of = {}, {}
+        for strategy in STRATEGIES:
+            if strategy == "collection":
+                graph = tf.compat.v1.get_default_graph()
+                graph.clear_collection("checkpoints")
+                for t in built["checkpoints"]:
+                    graph.add_to_collection("checkpoints", t)
+            try:
+                grads = _call(strategy, built)
+            except memsave.NoBottleneckError:
+                stats["no_bottleneck"] += 1
+                found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
+                assert not found, "NoBottleneckError, but %s cut the graph" % found
+                continue
+            grads_of[strategy] = grads
+            results[strategy] = [_dense(g) for g in grads if g is not None]
+        plain = tf.gradients(built["ys"], built["xs"], built["grad_ys"])
+        for strategy, grads in grads_of.items():
+            check_pattern(plain, grads, strategy)
+        results["plain"] = [_dense(g) for g in plain if g is not None]
+        out["strategies"] = [s for s in STRATEGIES if s in results]
+        return results
+
+    values = step()
+    stats["examples"] += 1
+    for strategy in out["strategies"]:
+        for i, (a, b) in enumerate(zip(values["plain"], values[strategy])):
+            assert_close(a.numpy(), b.numpy(), "%s: gradient %d" % (strategy, i))
+
+
+def _minority(stats, limit=0.5):
+    print("\n%d examples, 'memory' found no bottleneck in %d; %s" % (
+        stats["examples"], stats["no_bottleneck"],
+        ", ".join("%s: %d" % kv for kv in sorted(stats.items())
+                  if kv[0] not in ("examples", "no_bottleneck"))))
+    assert stats["examples"] > 0
+    assert stats["no_bottleneck"] <= limit * stats["examples"], (
+        "NoBottleneckError in %d of %d examples: the generator must keep these a minority"
+        % (stats["no_bottleneck"], stats["examples"]))
+
+
+# ---------------------------------------------------------------- the tests
+
+def test_random_dags_session():
+    stats = collections.Counter()
+
+    @settings(parent=PROFILE, max_examples=N)
+    @given(spec=graphgen.specs(min_ops=5, max_ops=60))
+    def check(spec):
+        run_session_example(spec, stats)
+
+    check()
+    _minority(stats)
+
+
+def test_random_dags_tf_function():
+    stats = collections.Counter()
+
+    @settings(parent=PROFILE, max_examples=N_FUNCTION)
+    @given(spec=graphgen.specs(min_ops=5, max_ops=30))
+    def check(spec):
+        run_function_example(spec, stats)
+
+    check()
+    _minority(stats)
+
+
+def test_no_bottleneck_only_when_none_exists_strict():
+    """When 'memory' gives up, no tensor may cut activations off from the ys,
+    counting xs (always-live inputs) as no path at all."""
+
+    @settings(parent=PROFILE, max_examples=N_STRICT, phases=[Phase.explicit, Phase.generate])
+    @given(spec=graphgen.specs(min_ops=5, max_ops=40, allow_dropout=False))
+    def check(spec):
+        note(repr(spec))
+        graph = tf.Graph()
+        with graph.as_default():
+            built = graphgen.build(tf, spec, graphgen.make_variables(tf, spec))
+            try:
+                memsave.plan(built["ys"], built["xs"], "memory", min_checkpoint_size=0)
+            except memsave.NoBottleneckError:
+                found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
+                assert not found, "NoBottleneckError, but %s cut the graph" % found
+
+    check()
+
+
+def test_weight_decay_chain_has_bottlenecks():
+    """An L2 term joins every weight to the loss; the layers still cut the chain."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.3) for _ in range(8)]
+        h = tf.constant(np.ones((4, 8), np.float32))
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h) + 1e-3 * tf.add_n([tf.reduce_sum(w * w) for w in ws])
+        assert brute_force_bottlenecks([loss], ws, strict=True)  # h1..h7 each cut the chain
+        plan = memsave.plan(loss, ws, checkpoints="memory", min_checkpoint_size=0)
+    assert plan.checkpoints
+
+
+def test_shared_weight_rnn_keeps_inner_checkpoints():
+    """One weight read by every step of an unrolled RNN must not hide the bottlenecks."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.Variable(np.eye(8, dtype=np.float32) * 0.5)
+        h = tf.constant(np.ones((4, 8), np.float32))
+        hs = []
+        for _ in range(16):
+            h = tf.tanh(tf.matmul(h, w))
+            hs.append(h)
+        loss = tf.reduce_sum(h)
+        plan = memsave.plan(loss, [w], checkpoints="memory", min_checkpoint_size=0)
+    # A step's matmul output cuts the chain as well as its tanh output.
+    inner = {t.name for h in hs[:-2] for t in (h, h.op.inputs[0])}
+    assert inner & set(plan.checkpoints), plan.checkpoints
+
+
+def test_brute_force_agrees_with_a_known_graph():
+    """The independent checker itself: a chain has bottlenecks, a diamond's
+    branches do not (each is bypassed by the other)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.Variable(np.ones((3, 3), np.float32))
+        x = tf.constant(np.ones((2, 3), np.float32))
+        a = tf.tanh(tf.matmul(x, w))
+        b = tf.sigmoid(a)
+        c = tf.tanh(a)
+        loss = tf.reduce_sum(b * c)
+        found = set(brute_force_bottlenecks([loss], [w]))
+    product = loss.op.inputs[0]
+    assert a.name in found and product.name in found
+    # Cutting the matmul output off only separates w and its read: no activation.
+    assert a.op.inputs[0].name not in found
+    assert b.name not in found and c.name not in found
+
+
+def test_random_dags_nested_xs():
+    """xs where one x is computed from another (e.g. an input and a hidden layer)."""
+
+    @settings(parent=PROFILE, max_examples=max(N // 8, 10),
+              phases=[Phase.explicit, Phase.generate])
+    @given(spec=graphgen.specs(min_ops=5, max_ops=30, nested_xs=True))
+    def check(spec):
+        assume(graphgen.has_nested_xs(spec))
+        run_session_example(spec, collections.Counter())
+
+    check()
+
+
+def test_nested_xs_minimal():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.linspace(-1, 1, 6, dtype=np.float32))
+        h = tf.tanh(x)
+        a = tf.tanh(h)
+        loss = tf.reduce_sum(tf.tanh(a))
+        plain = tf.gradients(loss, [x, h])
+        ours = memsave.gradients(loss, [x, h], checkpoints=[a])
+        assert [g is None for g in ours] == [g is None for g in plain]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            for p, o in zip(*sess.run([plain, ours])):
+                assert_close(p, o, "nested x")
