@@ -1,6 +1,6 @@
 """Train a deep Keras MLP with and without memsave and compare peak memory.
 
-    python examples/keras_fit.py [--layers 64] [--width 1024] [--batch 256]
+    python examples/keras_fit.py [--layers 64] [--width 256] [--batch 1024]
 
 Both runs start from the same weights and data. For each, the script trains
 a few steps with model.fit, then measures the peak memory of one more train
@@ -78,8 +78,8 @@ def run(args, use_memsave, x, y):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3, help="training steps before measuring")
     parser.add_argument("--strategy", default="memory", choices=["memory", "speed"])
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))

@@ -5,15 +5,17 @@ import logging
 from tensorflow.python.autograph.impl.api import do_not_convert
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import tensor as tf_tensor
 
 # ``memsave.plan`` is also the public function below, so import the modules.
 from memsave.plan import strategies as planning
+from memsave.plan.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
 from memsave.plan.optimal import optimal
 from memsave.plan.plan import Plan
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
-from memsave.rewrite import plain_gradients, rewrite
+from memsave.rewrite import SwapConfig, plain_gradients, rewrite
 
 logger = logging.getLogger("memsave")
 
@@ -110,13 +112,57 @@ def _explicit_checkpoints(items, graph, region):
     return [t.name for t in tensors if t.op in region.ops]
 
 
-def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None):
-    """Run a strategy on the region; return a :class:`memsave.plan.Plan`."""
+def _offload_model(swapin_ahead, host_bandwidth, device_flops):
+    if not isinstance(swapin_ahead, int) or swapin_ahead < 0:
+        raise ValueError("swapin_ahead must be an int >= 0, got %r" % (swapin_ahead,))
+    return OffloadModel(host_bandwidth=host_bandwidth, device_flops=device_flops,
+                        prefetch=swapin_ahead > 0)
+
+
+def _offload_names(offload, region):
+    """Tensor names a user asked to offload, or a clear error."""
+    names = []
+    for t in offload:
+        if not isinstance(t, tf_tensor.Tensor) or isinstance(t, tf_ops.EagerTensor):
+            raise TypeError("offload must be 'auto' or a list of graph tensors, got %r" % (t,))
+        if t.graph is not region.graph:
+            raise ValueError("offloaded tensor %s is in another graph than ys" % t.name)
+        names.append(t.name)
+    return names
+
+
+def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None,
+              offload=None, offload_model=None):
+    """Run a strategy on the region; return a :class:`memsave.plan.Plan`.
+
+    ``offload`` is None, 'auto' or a list of tensors to keep in host memory
+    (see :mod:`memsave.plan.offload`).
+    """
     if budget is not None and checkpoints != "optimal":
         raise ValueError("budget= needs checkpoints='optimal', got %r" % (checkpoints,))
+    if isinstance(offload, str) and offload != "auto":
+        raise ValueError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
+    if offload is not None and not isinstance(offload, (str, list, tuple)):
+        raise TypeError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
+    names = _offload_names(offload, region) if isinstance(offload, (list, tuple)) else []
     pg = to_plan_graph(region, batch_size=batch_size)
     unknown = pg.graph.get("unknown_dims", 0)
-    result = _run_strategy(pg, region, checkpoints, min_checkpoint_size, budget)
+    model = offload_model or OffloadModel()
+    if checkpoints == "optimal":
+        result = optimal(pg, budget=budget, offload="auto" if offload == "auto" else None,
+                         model=model)
+    else:
+        result = _run_strategy(pg, region, checkpoints, min_checkpoint_size)
+        if offload == "auto":
+            result = planning.with_offload(pg, result, None, model)
+    if names:
+        refused = [n for n in names if not pg.has_node(n) or not pg.nodes[n].get("offloadable")]
+        if refused:
+            raise ValueError(
+                "cannot offload %s: only float tensors between xs and ys that are not ys, "
+                "xs or variable reads, and that no op kept in place (stateful) reads, can wait "
+                "in host memory" % ", ".join(refused))
+        result = planning.with_offload(pg, result, names, model)
     if unknown:
         result.notes.append(
             "%d tensor(s) have unknown dimensions, taken as %s for sizes" % (
@@ -124,10 +170,8 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_
     return result
 
 
-def _run_strategy(pg, region, checkpoints, min_checkpoint_size, budget):
+def _run_strategy(pg, region, checkpoints, min_checkpoint_size):
     if isinstance(checkpoints, str):
-        if checkpoints == "optimal":
-            return optimal(pg, budget=budget)
         if checkpoints == "memory":
             return planning.memory(pg, min_checkpoint_size=min_checkpoint_size)
         if checkpoints == "speed":
@@ -148,15 +192,26 @@ def _run_strategy(pg, region, checkpoints, min_checkpoint_size, budget):
 # called inside a tf.function.
 @do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
-              budget=None, batch_size=None, name="gradients", **tf_gradients_kwargs):
+              budget=None, batch_size=None, offload=None, swapin_ahead=1, swapin_groupby=5,
+              host_device="/device:CPU:0", host_bandwidth=DEFAULT_HOST_BANDWIDTH,
+              device_flops=DEFAULT_DEVICE_FLOPS, name="gradients", **tf_gradients_kwargs):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
     ``checkpoints`` is 'optimal', 'memory', 'speed', 'collection' (tensors
     added to the graph's 'checkpoints' collection) or a list of tensors to
     keep. With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
     when below 1) asks for the plan that fits it with the least recompute.
-    ``batch_size`` sizes tensors whose dimensions are unknown. Further
-    keyword arguments (``gate_gradients``, ``aggregation_method``,
+    ``batch_size`` sizes tensors whose dimensions are unknown.
+
+    ``offload`` ('auto' or a list of tensors) keeps checkpoints in host
+    memory (``host_device``) between the forward and the backward pass
+    instead of on the device; each swap-in starts ``swapin_ahead`` backward
+    ops early and is shared by uses at most ``swapin_groupby`` ops apart.
+    With 'auto', 'optimal' weighs per tensor keeping, recomputing and
+    offloading (``host_bandwidth`` bytes/s against ``device_flops``); other
+    strategies offload every checkpoint they keep.
+
+    Further keyword arguments (``gate_gradients``, ``aggregation_method``,
     ``stop_gradients``, ``unconnected_gradients``,
     ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
     Works in a ``tf.compat.v1`` Graph and inside ``tf.function``.
@@ -172,13 +227,31 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
         if not region.ops:
             logger.warning("memsave: none of the ys depends on the xs; gradients are None")
             return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
-        chosen = make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size)
+        if not isinstance(swapin_groupby, int) or swapin_groupby < 0:
+            raise ValueError("swapin_groupby must be an int >= 0, got %r" % (swapin_groupby,))
+        chosen = make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size,
+                           offload, _offload_model(swapin_ahead, host_bandwidth, device_flops))
         logger.info("%s", chosen.summary())
         kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
         if not kept:
             logger.info("memsave: no checkpoints; using plain tf.gradients")
             return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
-        return rewrite(region, kept, grad_ys=grad_ys, name=name, **tf_gradients_kwargs)
+        swap = None
+        if chosen.offloaded:
+            swap = SwapConfig(tuple(graph.get_tensor_by_name(n) for n in chosen.offloaded),
+                              host_device, swapin_ahead, swapin_groupby)
+            _say_if_offloading_is_a_no_op(swap)
+        return rewrite(region, kept, grad_ys=grad_ys, name=name, swap=swap,
+                       **tf_gradients_kwargs)
+
+
+def _say_if_offloading_is_a_no_op(swap):
+    """Offloading only saves memory when the host is not the device itself."""
+    if tf_config.list_physical_devices("GPU"):
+        return
+    logger.info("memsave: no GPU, so host and device memory are the same: offloading %d "
+                "tensor(s) to %s inserts the swap ops but saves no memory here",
+                len(swap.tensors), swap.host_device)
 
 
 def gradients_memory(ys, xs, grad_ys=None, **kwargs):
@@ -197,7 +270,9 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 
 
 @do_not_convert
-def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None):
+def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None,
+         offload=None, swapin_ahead=1, host_bandwidth=DEFAULT_HOST_BANDWIDTH,
+         device_flops=DEFAULT_DEVICE_FLOPS):
     """The plan a strategy would execute, without rewriting anything."""
     ys = _as_list(ys)
     xs = _as_list(xs)
@@ -208,4 +283,5 @@ def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, b
             # As memsave.gradients: nothing to differentiate, so nothing to keep.
             return Plan(checkpoints if isinstance(checkpoints, str) else "list", [],
                         notes=["none of the ys depends on the xs"])
-        return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size)
+        return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size, offload,
+                         _offload_model(swapin_ahead, host_bandwidth, device_flops))

@@ -16,6 +16,7 @@ segment processed before it, so recomputation happens just in time and
 Grappler cannot merge the copies back into the forward pass.
 """
 
+import dataclasses
 import logging
 
 import toposort
@@ -89,13 +90,87 @@ def _checkpoint_levels(region, checkpoints, stop):
             for level in toposort.toposort(deps)]
 
 
-def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
+@dataclasses.dataclass(frozen=True)
+class SwapConfig:
+    """Where and when offloaded checkpoints move (see :class:`_Swapper`)."""
+
+    tensors: tuple                      # checkpoints to keep in host memory
+    host_device: str = "/device:CPU:0"
+    ahead: int = 1                      # swap-in this many backward ops early
+    groupby: int = 5                    # reuse a swap-in this many ops later
+
+
+class _Swapper:
+    """Swap-out and swap-in copies of offloaded checkpoints.
+
+    A swap-out is an ``Identity`` on the host device, right after the forward
+    pass produces the tensor; nothing else on the device reads the original
+    in the backward pass, so the device frees it once the forward is done.
+    Each backward segment that reads the tensor gets a swap-in (an
+    ``Identity`` on the tensor's own device) triggered, by a control input,
+    ``ahead`` ops before the segment starts in the order the rewrite builds
+    the backward pass (a topological order), so the transfer overlaps
+    compute. A swap-in is shared by segments at most ``groupby`` ops apart.
+    """
+
+    def __init__(self, graph, config, scope):
+        self.graph, self.config, self.scope = graph, config, scope
+        self.swap_ops = set()
+        self.backward = []          # ops the rewrite made, in creation order
+        self._seen = len(graph.get_operations())
+        self.host = {}
+        self.current = {}           # ref -> (swap-in tensor, backward position of last use)
+        for t in config.tensors:
+            self.host[t.ref()] = self._identity(t, t, config.host_device, "swap_out", ())
+
+    def _identity(self, source, original, device, kind, control):
+        with self.graph.name_scope(None), self.graph.control_dependencies(None):
+            name = "%s/%s_%d/%s" % (self.scope, original.op.name, original.value_index, kind)
+            out = array_ops.identity(source, name=name)
+        out.op._set_device(device)  # pylint: disable=protected-access
+        if control:
+            out.op._add_control_inputs(list(control))  # pylint: disable=protected-access
+        self.swap_ops.add(out.op)
+        return out
+
+    def _sync(self):
+        ops = self.graph.get_operations()
+        self.backward.extend(op for op in ops[self._seen:] if op not in self.swap_ops)
+        self._seen = len(ops)
+
+    def swap_in(self, reads, wait_for):
+        """``{ref: swapped-in tensor}`` for the offloaded tensors in ``reads``."""
+        self._sync()
+        position = len(self.backward)
+        out = {}
+        for ref, t in reads.items():
+            if ref not in self.host:
+                continue
+            hit = self.current.get(ref)
+            if hit is not None and position - hit[1] <= self.config.groupby:
+                out[ref] = hit[0]
+                continue
+            ahead = self.config.ahead
+            trigger = ([self.backward[max(0, position - ahead)]]
+                       if ahead > 0 and self.backward else wait_for)
+            out[ref] = self._identity(self.host[ref], t, t.op.device, "swap_in", trigger)
+        return out
+
+    def used(self, swapped):
+        """Record that the segment just built read ``swapped``."""
+        self._sync()
+        for ref, t in swapped.items():
+            self.current[ref] = (t, len(self.backward))
+
+
+def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **grad_kwargs):
     """Gradients of ``region.ys`` w.r.t. ``region.xs``, recomputing between ``checkpoints``.
 
     ``checkpoints`` must be region tensors and must include
     ``region.forced`` (which holds the xs computed inside the region). A y
-    among them starts with its ``grad_ys``. Returns one gradient (or None)
-    per x.
+    among them starts with its ``grad_ys``. With ``swap`` (a
+    :class:`SwapConfig`), its tensors, all checkpoints, wait in host memory.
+    Returns one gradient (or None) per x.
     """
     ys, xs = region.ys, region.xs
     unconnected = grad_kwargs.pop("unconnected_gradients", UnconnectedGradients.NONE)
@@ -107,13 +182,18 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
     within = region.copyable
     d_cp, d_xs = _Accumulator(), _Accumulator()
     segment = 0
+    swapper = _Swapper(region.graph, swap, "memsave_offload") if swap and swap.tensors else None
 
     def run_segment(boundary, seeds, grads, wait_for):
         """Copy the ops behind ``seeds`` and differentiate ``boundary``'s copy."""
         nonlocal segment
         seed_ops = [op for op in seeds if op in within]
         ops = backward_ops(seed_ops, stop_at=stop, within=within) if seed_ops else set()
-        copies = copy_ops(ops, wait_for=wait_for, scope="memsave_%d" % segment)
+        swapped = {}
+        if swapper is not None:
+            swapped = swapper.swap_in(
+                {t.ref(): t for op in ops for t in op.inputs if t.ref() in stop}, wait_for)
+        copies = copy_ops(ops, replace=swapped, wait_for=wait_for, scope="memsave_%d" % segment)
         segment += 1
 
         def copied(t):
@@ -124,13 +204,17 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", **grad_kwargs):
         asked_cp = {t.ref(): t for op in readers for t in op.inputs if t.ref() in stop}
         asked_x = [x for x in leaf_xs
                    if any(c in readers for c in x.consumers()) or any(x is b for b in boundary)]
-        targets = list(asked_cp.values()) + asked_x
+        # Offloaded checkpoints are read (and differentiated) as their swap-ins.
+        read_cp = [swapped.get(ref, t) for ref, t in asked_cp.items()]
+        targets = read_cp + asked_x
         if not targets:
             return []
-        stops = list(asked_cp.values()) + [copied(t) for t in user_stops]
+        stops = read_cp + [copied(t) for t in user_stops]
         grads_out = plain_gradients(
             [copied(t) for t in boundary], targets, grad_ys=grads, name=name,
             stop_gradients=stops, **grad_kwargs)
+        if swapper is not None:
+            swapper.used(swapped)
         sums = [d_cp.add(t, g) for t, g in zip(asked_cp.values(), grads_out)]
         sums += [d_xs.add(t, g) for t, g in zip(asked_x, grads_out[len(asked_cp):])]
         logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint(s) and %d x(s)",

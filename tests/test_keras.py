@@ -293,23 +293,30 @@ def test_memory_saving_model_mixin(rewrites):
     assert _max_diff(plain.get_weights(), ours.get_weights()) <= 1e-5
 
 
-def test_memory_64_dense_1024():
-    """One train step of a 64-layer Dense(1024) MLP, batch 256: >= 3x lower peak."""
+def test_memory_64_dense_layers():
+    """One train step of a 64-layer Dense(256) MLP, batch 1024: >= 3x lower peak.
+
+    Activations (1 MB) dominate the weights (256 KB), so the bound does not
+    hinge on when the weight gradients are freed (plain Keras' own schedule,
+    and with it its peak, varies between processes: 77-108 MB measured).
+    """
     def peak(use):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((1024,))]
-                                 + [keras.layers.Dense(1024, activation="tanh")
+        model = keras.Sequential([keras.Input((256,))]
+                                 + [keras.layers.Dense(256, activation="tanh")
                                     for _ in range(64)]
                                  + [keras.layers.Dense(10)])
         model.compile(optimizer=keras.optimizers.SGD(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         if use:
             memsave.keras.enable(model)
-        x, y = _data(256, classes=10)
-        x = np.random.RandomState(0).randn(256, 1024).astype("float32")
+        rng = np.random.RandomState(0)
+        x = rng.randn(1024, 256).astype("float32")
+        y = rng.randint(0, 10, 1024)
         return peak_memory(lambda: model.train_on_batch(x, y))
 
     plain, ours = peak(False), peak(True)
-    print("\n64 x Dense(1024), batch 256, one train step: plain %.1f MB, memsave %.1f MB (%.1fx)"
+    print("\n64 x Dense(256), batch 1024, one train step: plain %.1f MB, memsave %.1f MB (%.1fx)"
           % (plain / 2**20, ours / 2**20, plain / ours))
+    assert plain >= 64 * 2**20          # one 1 MB activation per layer
     assert ours * 3 <= plain

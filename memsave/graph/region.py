@@ -174,8 +174,9 @@ def to_plan_graph(region, batch_size=None):
     op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
     ``saved`` (read by some gradient, so backprop keeps it alive),
     ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
-    still runs) and ``candidate`` (may be chosen as a checkpoint; forced
-    tensors are kept anyway, so they are no candidates). The graph
+    still runs), ``candidate`` (may be chosen as a checkpoint; forced
+    tensors are kept anyway, so they are no candidates) and ``offloadable``
+    (may wait in host memory: every backward reader is a copy). The graph
     attribute ``unknown_dims`` counts tensors whose shape was not fully known.
     """
     g = nx.DiGraph()
@@ -187,6 +188,9 @@ def to_plan_graph(region, batch_size=None):
         reads_output.update(t.name for t in outs)
     y_names = {y.name for y in region.ys}
     forced = {t.name for t in region.forced}
+    # A pinned op is differentiated in place, so its gradient reads the
+    # original inputs: those cannot wait on the host.
+    read_in_place = {t.name for op in region.pinned for t in op.inputs}
     leaf_xs = region.leaf_xs
     for i, x in enumerate(leaf_xs):
         g.add_node(x.name, order=-len(leaf_xs) + i, elements=num_elements(x.shape),
@@ -207,7 +211,9 @@ def to_plan_graph(region, batch_size=None):
                        grad_reads_output=t.name in reads_output,
                        candidate=(differentiable(t) and t.name not in y_names
                                   and t.name not in forced and op not in region.pinned
-                                  and not alias))
+                                  and not alias),
+                       offloadable=(differentiable(t) and t.name not in y_names and not alias
+                                    and t.name not in read_in_place))
             index += 1
             if not t.shape.is_fully_defined():
                 g.graph["unknown_dims"] = g.graph.get("unknown_dims", 0) + 1

@@ -19,6 +19,7 @@ import logging
 
 import numpy as np
 
+from memsave.plan.offload import OffloadModel, host_bytes, offloadable
 from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
 from memsave.plan.simulate import prepare, simulate_peak
 
@@ -117,13 +118,14 @@ def forward_flops(graph):
     return sum(d.get("cost", 0.0) for _, d in graph.nodes(data=True) if not d.get("x"))
 
 
-def plans(graph, values=8, prefer_speed=False):
+def plans(graph, values=8, prefer_speed=False, offload_model=None):
     """Candidate plans: (estimated peak, recompute FLOPs, kept) for a grid of limits.
 
     One pass minimizes kept bytes. With ``prefer_speed`` a second pass counts
     expensive tensors whose copies need not run (matmul, conv outputs) at a
     quarter of their size, which yields plans that recompute less for a
-    little more memory (for budgets).
+    little more memory (for budgets). With ``offload_model`` a further pass
+    counts tensors worth offloading as free, so cuts gather at them.
     """
     nodes, last_use, keep_bytes, seg_bytes = _linearize(graph)
     if not nodes:
@@ -151,7 +153,13 @@ def plans(graph, values=8, prefer_speed=False):
             found[key] = (float(peak), recompute_flops(graph, kept), kept)
         return peak
 
-    passes = (keep_bytes, keep_bytes * cheap_to_keep) if prefer_speed else (keep_bytes,)
+    passes = [keep_bytes]
+    if prefer_speed:
+        passes.append(keep_bytes * cheap_to_keep)
+    if offload_model is not None:
+        on_host = np.array([0.0 if offload_model.worth_offloading(graph, n) else 1.0
+                            for n in nodes])
+        passes.append(keep_bytes * on_host)
     for weights in passes:
         scored = [(p, lim) for lim in grid for p in [evaluate(lim, weights)] if p is not None]
         if not scored:
@@ -170,44 +178,71 @@ def _largest_segment(prefix, cuts):
     return max(float(prefix[b] - prefix[a]) for a, b in zip(bounds, bounds[1:]))
 
 
-def optimal(graph, budget=None):
+def optimal(graph, budget=None, offload=None, model=None):
     """The plan with the lowest estimated peak, or, with ``budget`` (bytes, or a
     fraction of the plain estimate when below 1), the one that fits it with
-    the least recomputation. Estimates come from :func:`simulate_peak`."""
+    the least extra time. Estimates come from :func:`simulate_peak`.
+
+    With ``offload='auto'`` every candidate is also tried with its kept
+    tensors offloaded (those worth it under ``model``, or all that can be),
+    and peaks are device peaks; extra time is recomputation plus transfers
+    (see :class:`memsave.plan.offload.OffloadModel`).
+    """
     if budget is not None and budget <= 0:
         raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
                          % (budget,))
+    if offload not in (None, "auto"):
+        raise ValueError("optimal() chooses offloading itself: offload must be None or "
+                         "'auto', got %r" % (offload,))
+    model = model or OffloadModel()
     forced = topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
     prepared = prepare(graph)
     plain = simulate_peak(graph, (), prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
     # The DP's own estimate (kept + largest segment) ranks candidates; only
     # the promising ones are simulated.
-    candidates = plans(graph, prefer_speed=limit is not None)
-    if limit is None:
+    candidates = plans(graph, prefer_speed=limit is not None,
+                       offload_model=model if offload else None)
+    if offload:
+        pass   # the DP's estimate ignores offloading: simulate every candidate
+    elif limit is None:
         candidates = candidates[:6]
     else:
         candidates = [c for c in candidates if c[0] <= 1.5 * limit][:12] or candidates[:3]
-    options = [(simulate_peak(graph, kept, prepared), cost, kept) for _, cost, kept in candidates]
-    options.append((simulate_peak(graph, forced, prepared), recompute_flops(graph, []), []))
+    kept_sets = [kept for _, _, kept in candidates] + [[]]
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
     try:
         from memsave.plan.strategies import memory  # pylint: disable=import-outside-toplevel
-        kept = memory(graph, min_checkpoint_size=0).checkpoints
-        options.append((simulate_peak(graph, kept, prepared), recompute_flops(graph, kept), kept))
+        kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
     except ValueError:
         pass
+
+    options = []
+    for kept in kept_sets:
+        everything = set(kept) | set(forced)
+        choices = [()]
+        if offload:
+            movable = offloadable(graph, topological(graph, everything))
+            worth = [n for n in movable if model.worth_offloading(graph, n)]
+            choices += [tuple(c) for c in (worth, movable) if c]
+        for off in dict.fromkeys(choices):
+            peak = simulate_peak(graph, everything, prepared, off, prefetch=model.prefetch)
+            seconds = model.seconds(graph, recompute_flops(graph, kept), off)
+            options.append((peak, seconds, kept, list(off)))
     if limit is None:
-        peak, cost, kept = min(options, key=lambda p: (p[0], p[1]))
+        peak, seconds, kept, off = min(options, key=lambda p: (p[0], p[1]))
     else:
         fitting = [p for p in options if p[0] <= limit]
         if not fitting:
             raise BudgetError(
                 "no plan fits a budget of %.1f MB; the smallest estimated peak is %.1f MB "
-                "(plain: %.1f MB)" % (limit / 2**20, min(p[0] for p in options) / 2**20,
-                                      plain / 2**20))
-        peak, cost, kept = min(fitting, key=lambda p: (p[1], p[0]))
+                "(plain: %.1f MB)%s" % (limit / 2**20, min(p[0] for p in options) / 2**20,
+                                        plain / 2**20, "" if offload else
+                                        "; offload='auto' may go lower on a GPU"))
+        peak, seconds, kept, off = min(fitting, key=lambda p: (p[1], p[0]))
     notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
+    flops = recompute_flops(graph, kept)
     return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
-                recompute_fraction=cost / (forward_flops(graph) or 1.0))
+                recompute_fraction=flops / (forward_flops(graph) or 1.0),
+                offloaded=off, host_bytes=host_bytes(graph, off))

@@ -11,6 +11,9 @@ class Plan:
     strategy; ``forced`` are tensors that must be kept whatever the strategy
     (outputs of ops that must not be recomputed). Byte estimates count
     activations only, from static shapes (unknown dimensions taken as 1).
+    ``offloaded`` are kept tensors that wait in host memory between the
+    forward pass and their use; the estimated peak is then device memory,
+    and ``host_bytes`` what the host holds.
     """
 
     strategy: str
@@ -20,6 +23,8 @@ class Plan:
     plain_peak_bytes: int = 0
     notes: list = dataclasses.field(default_factory=list)
     recompute_fraction: float = None  # recomputed FLOPs / one forward pass, if estimated
+    offloaded: list = dataclasses.field(default_factory=list)   # kept in host memory
+    host_bytes: int = 0   # host memory the offloaded tensors take
 
     @property
     def kept(self):
@@ -34,6 +39,9 @@ class Plan:
             self.strategy, len(self.checkpoints), len(self.forced))]
         lines.append("  estimated activation peak: %s (plain: %s)" % (
             mb(self.estimated_peak_bytes), mb(self.plain_peak_bytes)))
+        if self.offloaded:
+            lines.append("  offloads %d tensor(s) to the host: %s" % (
+                len(self.offloaded), mb(self.host_bytes)))
         if self.recompute_fraction is not None:
             lines.append("  recomputes about %.0f%% of one forward pass" % (100 * self.recompute_fraction))
         shown = ", ".join(self.checkpoints[:8]) + (" ..." if len(self.checkpoints) > 8 else "")

@@ -14,6 +14,12 @@ reverse topological order. During a segment, memory holds:
 With nothing kept it models plain backprop, which keeps every saved
 activation of the forward pass (one segment holding everything). Sizes are
 activation bytes only.
+
+Offloaded kept tensors live in host memory. On the device, each is swapped
+in for the segment that reads it; it stays through that segment's backward
+only if a gradient reads it (else it is freed once the segment's forward is
+recomputed). With ``prefetch`` the next segment's swap-ins also arrive
+during the last step of the current one (``swapin_ahead`` > 0).
 """
 
 import collections
@@ -51,10 +57,12 @@ def _segments(p, kept):
     return result
 
 
-def simulate_peak(graph, kept=(), prepared=None):
-    """Estimated peak bytes of the backward pass with ``kept`` checkpoints."""
+def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
+    """Estimated peak device bytes of the backward pass with ``kept`` checkpoints,
+    of which ``offloaded`` live on the host between their uses."""
     p = prepared or prepare(graph)
     kept = {p.index[n] for n in kept if n in p.index} | p.forced
+    off = {p.index[n] for n in offloaded if n in p.index} & kept
     size = p.size
     segments = _segments(p, kept)
 
@@ -64,17 +72,26 @@ def simulate_peak(graph, kept=(), prepared=None):
         touched = {q for n in members for q in p.preds[n] if q in kept}
         reads.append(touched)
         readers.update(touched)
+    # Device bytes swapped in per segment: all of them while its forward is
+    # recomputed, those a gradient reads during its backward.
+    swap_fwd = [sum(size[q] for q in t if q in off) for t in reads]
+    swap_bwd = [sum(size[q] for q in t if q in off and p.saved[q]) for t in reads]
+    ahead = [sum(size[q] for q in nxt if q in off and q not in cur) if prefetch else 0
+             for cur, nxt in zip(reads, reads[1:] + [set()])]
 
-    alive_kept = sum(size[n] for n in kept)
+    alive_kept = sum(size[n] for n in kept if n not in off)
     grad_sums = {}
     peak = alive_kept
-    for (name, boundary, members), touched in zip(segments, reads):
+    for i, ((name, boundary, members), touched) in enumerate(zip(segments, reads)):
         saved = sum(size[n] for n in members if p.saved[n])
         flight = {b: (grad_sums.pop(b, size[b]) if b in kept else size[b]) for b in boundary}
         in_flight = sum(flight.values())
         sums = sum(grad_sums.values())
-        peak = max(peak, alive_kept + sums + saved + in_flight)
-        for n in reversed(members):
+        peak = max(peak, alive_kept + sums + saved + in_flight + swap_fwd[i])
+        swapped = swap_bwd[i]
+        for step, n in enumerate(reversed(members)):
+            if step == len(members) - 1:
+                swapped += ahead[i]   # the next segment's swap-ins arrive
             g = flight.pop(n, 0)
             in_flight -= g
             partials = 0
@@ -88,11 +105,11 @@ def simulate_peak(graph, kept=(), prepared=None):
                 elif q not in flight:
                     flight[q] = size[q]
                     in_flight += size[q]
-            peak = max(peak, alive_kept + sums + saved + in_flight + g + partials)
+            peak = max(peak, alive_kept + sums + saved + in_flight + g + partials + swapped)
             if p.saved[n]:
                 saved -= size[n]
         for k in touched:
             readers[k] -= 1
-            if readers[k] == 0:
+            if readers[k] == 0 and k not in off:
                 alive_kept -= size[k]
     return int(peak)

@@ -6,10 +6,12 @@ A planning graph is a networkx DiGraph of tensors as built by
 ``candidate``. Every strategy returns a :class:`~memsave.plan.plan.Plan`.
 """
 
+import dataclasses
 import logging
 
 import networkx as nx
 
+from memsave.plan.offload import OffloadModel, host_bytes, offloadable
 from memsave.plan.optimal import EXPENSIVE
 from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
 from memsave.plan.simulate import simulate_peak
@@ -43,6 +45,25 @@ def _make_plan(graph, strategy, chosen, notes=()):
     plain = simulate_peak(graph, ())
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
                 estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes))
+
+
+def with_offload(graph, plan, names=None, model=None):
+    """``plan`` with tensors moved to the host between forward and backward.
+
+    ``names=None`` offloads every kept tensor that can be (what
+    ``offload='auto'`` means for strategies other than 'optimal', which
+    weighs each tensor itself). Named tensors that the plan does not keep
+    become checkpoints. The estimated peak becomes a device peak.
+    """
+    model = model or OffloadModel()
+    if names is None:
+        names = offloadable(graph, plan.kept)
+    chosen = topological(graph, set(plan.checkpoints) | (set(names) - set(plan.forced)))
+    names = topological(graph, set(names))
+    peak = simulate_peak(graph, set(chosen) | set(plan.forced), offloaded=names,
+                         prefetch=model.prefetch)
+    return dataclasses.replace(plan, checkpoints=chosen, estimated_peak_bytes=peak,
+                               offloaded=names, host_bytes=host_bytes(graph, names))
 
 
 def explicit(graph, names, strategy="list"):
