@@ -29,6 +29,7 @@ from tensorflow.python.ops import math_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from memsave.graph import backward_ops, copy_ops
+from memsave.graph.schedule import reducers_first
 
 logger = logging.getLogger("memsave")
 
@@ -210,9 +211,11 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         if not targets:
             return []
         stops = read_cp + [copied(t) for t in user_stops]
+        before = len(region.graph.get_operations())
         grads_out = plain_gradients(
             [copied(t) for t in boundary], targets, grad_ys=grads, name=name,
             stop_gradients=stops, **grad_kwargs)
+        reducers_first(region.graph.get_operations()[before:])
         if swapper is not None:
             swapper.used(swapped)
         sums = [d_cp.add(t, g) for t, g in zip(asked_cp.values(), grads_out)]

@@ -227,9 +227,10 @@ class UNet:
     concatenate the skip, conv, relu) levels. Skips bypass every tensor but
     the input and output, so there is no single-tensor bottleneck."""
 
-    def __init__(self, levels=4, batch=2, size=32, channels=4, convs=2):
+    def __init__(self, levels=4, batch=2, size=32, channels=4, convs=2, norm=False):
         self.levels, self.batch, self.size, self.channels, self.convs = (
             levels, batch, size, channels, convs)
+        self.norm = norm    # conv -> batch norm (training) -> relu, as most U-Nets are built
 
     def variables(self):
         rng = np.random.RandomState(20)
@@ -246,10 +247,19 @@ class UNet:
             for j in range(self.convs):
                 shapes.append((3, 3, cin + skip if j == 0 else cout, cout))
             cin = cout
-        shapes.append((1, 1, cin, 1))
         for s in shapes:
             vs.append(_var(rng, *s, scale=1.0 / np.sqrt(s[0] * s[1] * s[2])))
+            if self.norm:   # scale and offset of the batch norm after this conv
+                vs.append(tf.Variable(1.0 + 0.1 * rng.randn(s[3]).astype(np.float32)))
+                vs.append(tf.Variable(0.1 * rng.randn(s[3]).astype(np.float32)))
+        vs.append(_var(rng, 1, 1, cin, 1, scale=1.0 / np.sqrt(cin)))
         return vs
+
+    def _block(self, h, it):
+        h = tf.nn.conv2d(h, next(it), 1, "SAME")
+        if self.norm:
+            h, _, _ = tf.compat.v1.nn.fused_batch_norm(h, next(it), next(it), is_training=True)
+        return tf.nn.relu(h)
 
     def forward(self, vs):
         x = _input(np.random.RandomState(21), self.batch, self.size, self.size, self.channels)
@@ -257,7 +267,7 @@ class UNet:
         h, skips, tag = x, [], []
         for _ in range(self.levels):
             for _ in range(self.convs):
-                h = tf.nn.relu(tf.nn.conv2d(h, next(it), 1, "SAME"))
+                h = self._block(h, it)
             skips.append(h)
             h = tf.nn.max_pool2d(h, 2, 2, "VALID")
             tag.append(h)
@@ -265,7 +275,7 @@ class UNet:
             h = tf.image.resize(h, tf.shape(skip)[1:3], method="nearest")
             h = tf.concat([h, skip], axis=-1)
             for _ in range(self.convs):
-                h = tf.nn.relu(tf.nn.conv2d(h, next(it), 1, "SAME"))
+                h = self._block(h, it)
             tag.append(h)
         out = tf.nn.conv2d(h, next(it), 1, "SAME")
         return dict(ys=[tf.reduce_mean(tf.square(out))], xs=vs, tag=tag[1:-1])
@@ -291,4 +301,5 @@ class DenseBlock:
                     tag=feats[2:-1:2])
 
 
-ALL.update({"unet": lambda: UNet(levels=3, size=16), "dense": DenseBlock})
+ALL.update({"unet": lambda: UNet(levels=3, size=16), "dense": DenseBlock,
+            "unet_bn": lambda: UNet(levels=3, size=16, norm=True)})

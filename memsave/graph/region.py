@@ -174,7 +174,8 @@ def to_plan_graph(region, batch_size=None):
     op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
     ``saved`` (read by some gradient, so backprop keeps it alive),
     ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
-    still runs), ``candidate`` (may be chosen as a checkpoint; forced
+    still runs), ``grad_reads_inputs`` (its producer's gradient reads the
+    producer's inputs), ``candidate`` (may be chosen as a checkpoint; forced
     tensors are kept anyway, so they are no candidates) and ``offloadable``
     (may wait in host memory: every backward reader is a copy). The graph
     attribute ``unknown_dims`` counts tensors whose shape was not fully known.
@@ -209,6 +210,7 @@ def to_plan_graph(region, batch_size=None):
                        cost=cost, op_type=op.type, x=False, y=t.name in y_names,
                        forced=t.name in forced, saved=t.name in saved,
                        grad_reads_output=t.name in reads_output,
+                       grad_reads_inputs=bool(grad_reads(op)[0]),
                        candidate=(differentiable(t) and t.name not in y_names
                                   and t.name not in forced and op not in region.pinned
                                   and not alias),

@@ -11,6 +11,11 @@ reverse topological order. During a segment, memory holds:
 - gradients in flight: the gradient of a tensor lives from when its first
   consumer's backward produces it until its producer's backward consumes it.
 
+A matmul or convolution's gradient is two ops: the weight gradient reads
+the input activation, the input gradient does not. The rewrite runs the
+weight gradient first (``memsave.graph.schedule``), so an input activation
+that no other gradient reads is freed before its own gradient is allocated.
+
 With nothing kept it models plain backprop, which keeps every saved
 activation of the forward pass (one segment holding everything). Sizes are
 activation bytes only.
@@ -26,7 +31,37 @@ import collections
 
 from memsave.plan.plan import node_bytes, topological
 
-Prepared = collections.namedtuple("Prepared", "names index size saved preds ys forced")
+Prepared = collections.namedtuple("Prepared", "names index size saved preds ys forced early")
+
+# Ops whose gradient splits into a weight gradient (reads the input
+# activation) and an input gradient (does not).
+SPLIT_GRADIENT = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv", "Conv2D",
+    "Conv3D", "DepthwiseConv2dNative",
+})
+
+
+def _freed_early(graph, names, index, size, saved, preds):
+    """{consumer: [inputs freed before the consumer's input gradient exists]}.
+
+    An input qualifies when the consumer's gradient is the only one that
+    reads it (its producer's gradient does not read it, nor does any other
+    consumer's) and the consumer's other inputs are small (weights).
+    """
+    nodes = graph.nodes
+    early = {}
+    for i, n in enumerate(names):
+        if nodes[n].get("op_type") not in SPLIT_GRADIENT:
+            continue
+        for q in preds[i]:
+            if not saved[q] or nodes[names[q]].get("grad_reads_output", True):
+                continue
+            readers = {c for c in graph.successors(names[q])
+                       if nodes[c].get("grad_reads_inputs", True)}
+            others = [o for o in preds[i] if o != q]
+            if readers == {n} and all(size[o] * 4 <= size[q] for o in others):
+                early.setdefault(i, []).append(q)
+    return early
 
 
 def prepare(graph):
@@ -38,7 +73,8 @@ def prepare(graph):
     preds = [[index[p] for p in graph.predecessors(n) if p in index] for n in names]
     ys = [i for i, n in enumerate(names) if graph.nodes[n].get("y")]
     forced = {i for i, n in enumerate(names) if graph.nodes[n].get("forced")}
-    return Prepared(names, index, size, saved, preds, ys, forced)
+    early = _freed_early(graph, names, index, size, saved, preds)
+    return Prepared(names, index, size, saved, preds, ys, forced, early)
 
 
 def _segments(p, kept):
@@ -61,6 +97,8 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     """Estimated peak device bytes of the backward pass with ``kept`` checkpoints,
     of which ``offloaded`` live on the host between their uses."""
     p = prepared or prepare(graph)
+    # Plain backprop (nothing kept) has no reordering edges.
+    early_free = p.early if kept else {}
     kept = {p.index[n] for n in kept if n in p.index} | p.forced
     off = {p.index[n] for n in offloaded if n in p.index} & kept
     size = p.size
@@ -81,6 +119,7 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
 
     alive_kept = sum(size[n] for n in kept if n not in off)
     grad_sums = {}
+    freed = set()
     peak = alive_kept
     for i, ((name, boundary, members), touched) in enumerate(zip(segments, reads)):
         saved = sum(size[n] for n in members if p.saved[n])
@@ -94,6 +133,11 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
                 swapped += ahead[i]   # the next segment's swap-ins arrive
             g = flight.pop(n, 0)
             in_flight -= g
+            early = [q for q in early_free.get(n, ()) if q not in kept]
+            if early:   # the weight gradient runs first and frees its input
+                peak = max(peak, alive_kept + sums + saved + in_flight + g + swapped)
+                saved -= sum(size[q] for q in early)
+                freed.update(early)
             partials = 0
             for q in p.preds[n]:
                 if q in kept:
@@ -106,7 +150,7 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
                     flight[q] = size[q]
                     in_flight += size[q]
             peak = max(peak, alive_kept + sums + saved + in_flight + g + partials + swapped)
-            if p.saved[n]:
+            if p.saved[n] and n not in freed:
                 saved -= size[n]
         for k in touched:
             readers[k] -= 1
