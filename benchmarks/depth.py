@@ -2,8 +2,8 @@
 
 Run ``python -m benchmarks.depth`` (depths 8..256) or ``--demo`` (8..128,
 a few minutes on 2 cores). Writes JSON (machine, TF version, every figure,
-and the growth/ratio checks), a Markdown table and a PNG plot to
-``benchmarks/results/``. Peers run in the same process: Grappler's
+and the growth/ratio checks), a Markdown table and two PNG plots (memory vs
+depth, step-time ratio vs depth) to ``benchmarks/results/``. Peers run in the same process: Grappler's
 RECOMPUTATION_HEURISTICS memory optimizer (Session) and tf.recompute_grad
 over blocks of ceil(sqrt(n)) layers (tf.function). Step-time ratios are the
 median over alternating (plain, method) pairs.
@@ -181,6 +181,9 @@ def checks(rows):
             a, b = peak(method, mid), peak(method, top)
             if a and b:
                 entry["%s_growth_%d_vs_%d" % (method, top, mid)] = round(b / a, 2)
+        entry["memory_time_ratio_by_depth"] = {
+            str(r["depth"]): r["time_ratio"] for r in sorted(rows, key=lambda r: r["depth"])
+            if r["model"] == model and r["method"] == "memory"}
         ours = [peak(m, top) for m in ("memory", "optimal", "speed") if peak(m, top)]
         if ours and peak("plain", top):
             entry["best_memsave_vs_plain_at_%d" % top] = round(peak("plain", top) / min(ours), 2)
@@ -237,6 +240,32 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def plot_time(rows, path):
+    """Step-time ratio to plain vs depth, one panel per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for method in sorted({r["method"] for r in rows if r["model"] == model} - {"plain"}):
+            pts = sorted((r["depth"], r["time_ratio"]) for r in rows
+                         if r["model"] == model and r["method"] == method
+                         and r["time_ratio"] is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.axhline(1.0, color="k", lw=1)
+        ax.axhline(1.35, color="k", ls=":", lw=1, label="1.35× target")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("depth (layers / blocks)")
+        ax.set_ylabel("step time / plain step time (median of pairs)")
+        ax.set_title("%s, CPU" % model)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--demo", action="store_true", help="a subset that runs in minutes")
@@ -263,9 +292,10 @@ def main(argv=None):
     table = markdown(rows, methods + ["grappler", "tf.recompute_grad"])
     (out / (stem + ".md")).write_text(table)
     plot(rows, out / (stem + ".png"))
+    plot_time(rows, out / (stem + "_time.png"))
     print(table)
     print("checks: %s" % json.dumps(summary))
-    print("wrote %s.{json,md,png} in %s" % (stem, out))
+    print("wrote %s.{json,md,png} and %s_time.png in %s" % (stem, stem, out))
 
 
 if __name__ == "__main__":

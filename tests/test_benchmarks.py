@@ -22,6 +22,7 @@ def test_depth_benchmark_tiny(tmp_path):
     assert {"plain", "memory", "optimal", "speed", "grappler", "tf.recompute_grad"} <= methods
     assert data["meta"]["tf_version"]
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert (tmp_path / "t_time.png").stat().st_size > 10_000
     assert "| depth |" in stdout
     for row in data["rows"]:
         assert row["peak_activations"] > 0

@@ -2,7 +2,7 @@
 
 Graphs are drawn as plain data (:mod:`tests.graphgen`) and built in a fresh
 ``tf.Graph`` per example (or a fresh ``tf.function`` for the smaller
-function-mode run). For every strategy ('memory', 'speed', 'collection'
+function-mode run). For every strategy ('memory', 'speed', 'optimal', 'collection'
 and an explicit list) memsave's gradients must equal plain ``tf.gradients``
 elementwise within ``|a - b| <= 1e-5 * max(1, |a|)``, with the same None
 pattern and the same sparse/dense kind.
@@ -44,7 +44,7 @@ N_FUNCTION = max(N // 6, 10)      # tf.function examples (each traces a new func
 N_STRICT = N                      # planning-only examples (no session, fast)
 
 RTOL = 1e-5
-STRATEGIES = ("memory", "speed", "collection", "list")
+STRATEGIES = ("memory", "speed", "optimal", "collection", "list")
 
 
 # ---------------------------------------------------------------- comparison
