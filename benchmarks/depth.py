@@ -215,6 +215,17 @@ def markdown(rows, methods):
     return "\n".join(lines)
 
 
+# Lines that coincide ('memory' and 'optimal', 'speed' and 'grappler' often
+# do) stay visible with different markers and dashes.
+_STYLES = {"plain": ("o", "-"), "memory": ("s", "--"), "optimal": ("o", "-"),
+           "speed": ("^", "-"), "grappler": ("x", ":"), "tf.recompute_grad": ("D", "-")}
+
+
+def _style(method):
+    marker, line = _STYLES.get(method, ("o", "-"))
+    return dict(marker=marker, linestyle=line, markerfacecolor="none" if line != "-" else None)
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -225,7 +236,7 @@ def plot(rows, path):
         for method in sorted({r["method"] for r in rows if r["model"] == model}):
             pts = sorted((r["depth"], r["peak_activations"]) for r in rows
                          if r["model"] == model and r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=method, **_style(method))
         depths = sorted({r["depth"] for r in rows if r["model"] == model})
         ax.plot(depths, [2 * math.sqrt(d) for d in depths], "k--", lw=1, label="2·√n")
         ax.set_xscale("log", base=2)
@@ -252,7 +263,7 @@ def plot_time(rows, path):
             pts = sorted((r["depth"], r["time_ratio"]) for r in rows
                          if r["model"] == model and r["method"] == method
                          and r["time_ratio"] is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=method, **_style(method))
         ax.axhline(1.0, color="k", lw=1)
         ax.axhline(1.35, color="k", ls=":", lw=1, label="1.35× target")
         ax.set_xscale("log", base=2)
