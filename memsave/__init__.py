@@ -17,10 +17,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # ``memsave.keras`` imports Keras, so it is only loaded when asked for.
-    if name == "keras":
+    # ``memsave.keras`` imports Keras, so it is only loaded when asked for;
+    # ``memsave.reversible`` likewise, to keep ``import memsave`` light.
+    if name in ("keras", "reversible"):
         import importlib  # pylint: disable=import-outside-toplevel
-        return importlib.import_module("memsave.keras")
+        return importlib.import_module("memsave." + name)
     raise AttributeError("module 'memsave' has no attribute %r" % (name,))
 
 
