@@ -49,6 +49,18 @@ def test_bottlenecks_skip_bypassed_tensors():
     assert {"a1", "a4", "a5"} <= set(found)
 
 
+def test_side_outputs_no_y_reads_make_no_bottleneck():
+    """A batch norm's statistics hang off its input; they must not make that
+    input look like a cut inside a residual block."""
+    g = chain(6)
+    g.add_edge("a1", "a4")          # the block's skip over a2 and a3
+    _node(g, "a2_mean", 2.5)        # a second output of a2's consumer, read by nothing
+    g.add_edge("a2", "a2_mean")
+    found = bottlenecks(g)
+    assert "a2" not in found and "a2_mean" not in found
+    assert {"a1", "a4", "a5"} <= set(found)
+
+
 def test_no_bottleneck_raises_with_alternatives():
     g = nx.DiGraph()
     _node(g, "x", -1, x=True)

@@ -112,6 +112,10 @@ def bottlenecks(graph):
     und.remove_nodes_from([n for n, d in graph.nodes(data=True)
                            if d.get("x") or d.get("op_type") in INPUT_READS])
     ys = [n for n, d in graph.nodes(data=True) if d.get("y")]
+    # Outputs no y reads (a batch norm's batch statistics) come and go with
+    # their op: hanging off one input, they would make it look like a cut.
+    live = set(ys).union(*(nx.ancestors(graph, y) for y in ys))
+    und.remove_nodes_from([n for n in graph if n not in live])
     und.add_edges_from((_SINK, y) for y in ys)
     if und.number_of_nodes() < 3:
         return []
