@@ -18,8 +18,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Every benchmark behind the README's figures (about 20 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) -m benchmarks.depth
+	$(PY) -m benchmarks.models
+	$(PY) -m benchmarks.rewrite_speed
+	$(PY) -m benchmarks.plan_speed
+	$(PY) -m benchmarks.reversible
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

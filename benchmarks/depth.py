@@ -62,7 +62,9 @@ def _grappler_config():
     from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
     rewrite = rewriter_config_pb2.RewriterConfig(
         memory_optimization=rewriter_config_pb2.RewriterConfig.RECOMPUTATION_HEURISTICS)
+    # One inter-op thread, like the other Sessions (which take the context's).
     return tf.compat.v1.ConfigProto(
+        inter_op_parallelism_threads=1,
         graph_options=tf.compat.v1.GraphOptions(rewrite_options=rewrite))
 
 
