@@ -18,7 +18,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every benchmark behind the README's figures (about 20 minutes on 2 cores).
+# Every benchmark behind the README's figures (about 16 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) -m benchmarks.depth
 	$(PY) -m benchmarks.models
