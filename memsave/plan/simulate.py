@@ -41,7 +41,7 @@ SPLIT_GRADIENT = frozenset({
 })
 
 
-def _freed_early(graph, names, index, size, saved, preds):
+def _freed_early(graph, names, size, saved, preds):
     """{consumer: [inputs freed before the consumer's input gradient exists]}.
 
     An input qualifies when the consumer's gradient is the only one that
@@ -73,7 +73,7 @@ def prepare(graph):
     preds = [[index[p] for p in graph.predecessors(n) if p in index] for n in names]
     ys = [i for i, n in enumerate(names) if graph.nodes[n].get("y")]
     forced = {i for i, n in enumerate(names) if graph.nodes[n].get("forced")}
-    early = _freed_early(graph, names, index, size, saved, preds)
+    early = _freed_early(graph, names, size, saved, preds)
     return Prepared(names, index, size, saved, preds, ys, forced, early)
 
 

@@ -100,7 +100,8 @@ def bottlenecks(graph):
     """Tensors whose removal cuts some activations off from the ys.
 
     These are the articulation points of the undirected region without the
-    xs and their variable reads (with a sink joined to every y) that separate
+    xs, their variable reads and the tensors no y depends on (with a sink
+    joined to every y) that separate
     some activation bytes from the sink: everything on the far side is an
     ancestor that the checkpoint lets backprop forget. Returned in
     topological order.
