@@ -53,7 +53,9 @@ def _mlp(w):
     return f
 
 
-def build_step(n, method):
+def revnet_step(n, store, **seq_kwargs):
+    """A tf.function train step over ``n`` ReversibleResidual blocks (also
+    used by tests/test_reversible.py). ``store``: plain autodiff instead."""
     rng = np.random.RandomState(0)
     half = WIDTH // 2
     blocks, ws = [], []
@@ -62,11 +64,8 @@ def build_step(n, method):
         wg = tf.Variable((rng.randn(half, half) * 0.1).astype(np.float32))
         ws += [wf, wg]
         blocks.append(R.ReversibleResidual(_mlp(wf), _mlp(wg), variables=[wf, wg]))
-    checked = method == "reversible, checked"
-    seq = R.ReversibleSequence(blocks, check_inverse=checked,
-                               fallback="store" if checked else None)
+    seq = R.ReversibleSequence(blocks, **seq_kwargs)
     x = tf.constant(rng.randn(BATCH, WIDTH).astype(np.float32))
-    store = method == "plain tape"
 
     @tf.function
     def step():
@@ -75,6 +74,12 @@ def build_step(n, method):
             loss = tf.reduce_mean(y * y) + tf.reduce_mean(log_det)
         return tape.gradient(loss, ws)
     return step
+
+
+def build_step(n, method):
+    checked = method == "reversible, checked"
+    return revnet_step(n, method == "plain tape", check_inverse=checked,
+                       fallback="store" if checked else None)
 
 
 def step_ms(step, repeats):

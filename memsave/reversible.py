@@ -343,7 +343,17 @@ def _check_channels(channels, owner):
     return int(channels)
 
 
-class ActNorm(InvertibleBlock):
+class _FixedChannels(InvertibleBlock):
+    """A block built for a given number of channels (``self.channels``)."""
+
+    def _check(self, x):
+        c = _channels(x, repr(self))
+        if c != self.channels:
+            raise ValueError("memsave.reversible: %r expects %d channels, got shape %s"
+                             % (self, self.channels, x.shape))
+
+
+class ActNorm(_FixedChannels):
     """Per-channel affine map ``y = x * scale + bias`` (Glow's actnorm).
 
     ``log_det = spatial * sum(log|scale|)`` per example, where ``spatial``
@@ -368,12 +378,6 @@ class ActNorm(InvertibleBlock):
         self.scale = tf.Variable(scale.astype(tf.as_dtype(dtype).as_numpy_dtype), name="scale")
         self.bias = tf.Variable(bias.astype(tf.as_dtype(dtype).as_numpy_dtype), name="bias")
 
-    def _check(self, x):
-        c = _channels(x, repr(self))
-        if c != self.channels:
-            raise ValueError("memsave.reversible: %r expects %d channels, got shape %s"
-                             % (self, self.channels, x.shape))
-
     def forward(self, x):
         self._check(x)
         return x * self.scale + self.bias
@@ -388,7 +392,7 @@ class ActNorm(InvertibleBlock):
         return _batch_ones(x) * (_spatial(x) * total)
 
 
-class Invertible1x1Conv(InvertibleBlock):
+class Invertible1x1Conv(_FixedChannels):
     """A learned ``channels x channels`` matrix ``W`` applied on the channel axis.
 
     ``y[..., d] = sum_c x[..., c] W[c, d]`` (Glow's invertible 1x1
@@ -415,12 +419,6 @@ class Invertible1x1Conv(InvertibleBlock):
                 raise ValueError("memsave.reversible: Invertible1x1Conv weight must have shape "
                                  "(%d, %d), got %s" % (channels, channels, value.shape))
         self.weight = tf.Variable(value, name="weight")
-
-    def _check(self, x):
-        c = _channels(x, repr(self))
-        if c != self.channels:
-            raise ValueError("memsave.reversible: %r expects %d channels, got shape %s"
-                             % (self, self.channels, x.shape))
 
     def forward(self, x):
         self._check(x)

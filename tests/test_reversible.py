@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from benchmarks.reversible import revnet_step
 from memsave import reversible as R
 from memsave.profile import peak_memory
 
@@ -238,32 +239,9 @@ def test_trainable_variables_cover_keras_and_explicit_ones():
 # --------------------------------------------------------------------------
 # memory
 
-BATCH, WIDTH = 4096, 64          # one activation = 1 MiB of float32
-
-
-def _revnet_step(n, store, **seq_kwargs):
-    rng = np.random.RandomState(0)
-    half = WIDTH // 2
-    blocks, ws = [], []
-    for _ in range(n):
-        wf, wg = _var(rng, half, half, scale=0.1), _var(rng, half, half, scale=0.1)
-        ws += [wf, wg]
-        blocks.append(R.ReversibleResidual(_mlp(wf), _mlp(wg), variables=[wf, wg]))
-    seq = R.ReversibleSequence(blocks, **seq_kwargs)
-    x = tf.constant(rng.randn(BATCH, WIDTH).astype(np.float32))
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            y, log_det = seq(x, store_activations=store)
-            loss = tf.reduce_mean(y * y) + tf.reduce_mean(log_det)
-        return tape.gradient(loss, ws)
-    return step
-
-
 def test_peak_memory_constant_in_depth():
-    rev = {n: peak_memory(_revnet_step(n, False)) / MiB for n in (8, 32, 128)}
-    plain = {n: peak_memory(_revnet_step(n, True)) / MiB for n in (8, 128)}
+    rev = {n: peak_memory(revnet_step(n, False)) / MiB for n in (8, 32, 128)}
+    plain = {n: peak_memory(revnet_step(n, True)) / MiB for n in (8, 128)}
     logging.getLogger("memsave").info("reversible %s MiB, plain %s MiB", rev, plain)
     assert rev[128] / rev[8] <= 1.5, rev
     assert rev[32] / rev[8] <= 1.5, rev
@@ -274,7 +252,7 @@ def test_peak_memory_constant_in_depth():
 def test_drift_checks_keep_memory_constant():
     # The check of each block runs before the next block starts, and the
     # store of a healthy block is empty.
-    checked = {n: peak_memory(_revnet_step(n, False, check_inverse=True, fallback="store")) / MiB
+    checked = {n: peak_memory(revnet_step(n, False, check_inverse=True, fallback="store")) / MiB
                for n in (8, 32)}
     assert checked[32] / checked[8] <= 1.5, checked
 
