@@ -54,8 +54,8 @@ class OffloadModel:
 
     def seconds(self, graph, recompute_flops, offloaded):
         """Estimated extra step time: recomputation plus exposed transfers."""
-        moved = sum(graph.nodes[n].get("bytes") or 0 for n in offloaded)
-        return self.recompute_seconds(recompute_flops) + self.transfer_seconds(moved)
+        return (self.recompute_seconds(recompute_flops)
+                + self.transfer_seconds(host_bytes(graph, offloaded)))
 
 
 def offloadable(graph, names):

@@ -203,12 +203,12 @@ def optimal(graph, budget=None, offload=None, model=None):
     # the promising ones are simulated.
     candidates = plans(graph, prefer_speed=limit is not None,
                        offload_model=model if offload else None)
-    if offload:
-        pass   # the DP's estimate ignores offloading: simulate every candidate
-    elif limit is None:
-        candidates = candidates[:6]
-    else:
-        candidates = [c for c in candidates if c[0] <= 1.5 * limit][:12] or candidates[:3]
+    # (The DP's estimate ignores offloading: with it, every candidate is simulated.)
+    if not offload:
+        if limit is None:
+            candidates = candidates[:6]
+        else:
+            candidates = [c for c in candidates if c[0] <= 1.5 * limit][:12] or candidates[:3]
     kept_sets = [kept for _, _, kept in candidates] + [[]]
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
@@ -221,6 +221,7 @@ def optimal(graph, budget=None, offload=None, model=None):
     options = []
     for kept in kept_sets:
         everything = set(kept) | set(forced)
+        flops = recompute_flops(graph, kept)
         choices = [()]
         if offload:
             movable = offloadable(graph, topological(graph, everything))
@@ -228,10 +229,9 @@ def optimal(graph, budget=None, offload=None, model=None):
             choices += [tuple(c) for c in (worth, movable) if c]
         for off in dict.fromkeys(choices):
             peak = simulate_peak(graph, everything, prepared, off, prefetch=model.prefetch)
-            seconds = model.seconds(graph, recompute_flops(graph, kept), off)
-            options.append((peak, seconds, kept, list(off)))
+            options.append((peak, model.seconds(graph, flops, off), kept, list(off), flops))
     if limit is None:
-        peak, seconds, kept, off = min(options, key=lambda p: (p[0], p[1]))
+        peak, _, kept, off, flops = min(options, key=lambda p: (p[0], p[1]))
     else:
         fitting = [p for p in options if p[0] <= limit]
         if not fitting:
@@ -240,9 +240,8 @@ def optimal(graph, budget=None, offload=None, model=None):
                 "(plain: %.1f MB)%s" % (limit / 2**20, min(p[0] for p in options) / 2**20,
                                         plain / 2**20, "" if offload else
                                         "; offload='auto' may go lower on a GPU"))
-        peak, seconds, kept, off = min(fitting, key=lambda p: (p[1], p[0]))
+        peak, _, kept, off, flops = min(fitting, key=lambda p: (p[1], p[0]))
     notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
-    flops = recompute_flops(graph, kept)
     return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
                 recompute_fraction=flops / (forward_flops(graph) or 1.0),
                 offloaded=off, host_bytes=host_bytes(graph, off))
