@@ -18,13 +18,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every benchmark behind the README's figures (about 16 minutes on 2 cores).
+# Every benchmark behind the README's figures (about 17 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) -m benchmarks.depth
 	$(PY) -m benchmarks.models
 	$(PY) -m benchmarks.rewrite_speed
 	$(PY) -m benchmarks.plan_speed
 	$(PY) -m benchmarks.reversible
+	$(PY) examples/unet.py
+	$(PY) examples/keras_fit.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
