@@ -110,19 +110,26 @@ def time_ratio(step, base, repeats):
     return statistics.median(ratios), statistics.median(times)
 
 
+def recompute_grad_blocks(layers):
+    """``layers`` (callables h -> h) in blocks of ceil(sqrt(n)), each under
+    tf.recompute_grad (also used by benchmarks.models)."""
+    size = int(math.ceil(math.sqrt(len(layers))))
+    blocks = []
+    for start in range(0, len(layers), size):
+        def block(h, group=tuple(layers[start:start + size])):
+            for layer in group:
+                h = layer(h)
+            return h
+        blocks.append(tf.recompute_grad(block))
+    return blocks
+
+
 def recompute_grad_step(model, n):
     """tf.recompute_grad over blocks of ceil(sqrt(n)) layers, inside tf.function."""
     rng = np.random.RandomState(0)
     ws, layer = MODELS[model](n, rng)
     x = tf.constant(rng.randn(BATCH, WIDTH).astype(np.float32))
-    size = int(math.ceil(math.sqrt(n)))
-    blocks = []
-    for start in range(0, n, size):
-        def block(h, start=start):
-            for i in range(start, min(n, start + size)):
-                h = layer(h, i)
-            return h
-        blocks.append(tf.recompute_grad(block))
+    blocks = recompute_grad_blocks([lambda h, i=i: layer(h, i) for i in range(n)])
 
     @tf.function
     def step():

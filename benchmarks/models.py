@@ -61,7 +61,8 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import memsave  # noqa: E402
 from memsave.profile import peak_memory, session_step  # noqa: E402
-from benchmarks.depth import RESULTS, _grappler_config, time_ratio  # noqa: E402
+from benchmarks.depth import (RESULTS, _grappler_config, recompute_grad_blocks,  # noqa: E402
+                              time_ratio)
 
 MIB = 2 ** 20
 SESSION_METHODS = ("plain", "memory", "speed", "optimal", "grappler")
@@ -344,15 +345,7 @@ def function_method(model, sizes, method):
     else:
         if net.body is None:
             return "n/a: " + net.note
-        n = len(net.body)
-        size = int(math.ceil(math.sqrt(n)))
-        blocks = []
-        for start in range(0, n, size):
-            def block(h, layers=tuple(net.body[start:start + size])):
-                for layer in layers:
-                    h = layer(h)
-                return h
-            blocks.append(tf.recompute_grad(block))
+        blocks = recompute_grad_blocks(net.body)
 
         def forward(x_):
             h = net.stem(x_)
