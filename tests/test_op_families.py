@@ -179,16 +179,7 @@ class StatelessRandom(Family):
         return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
 
 
-# Control-flow families compute plain gradients in a separate graph (or
-# trace): after memsave has differentiated a copy of an If/While, a plain
-# tf.gradients through the original fails in TensorFlow (duplicate function
-# "<branch>_rewritten"); that bug has its own test below. The forward pass is
-# deterministic, so both builds see the same values.
-CONTROL_FLOW_APART = True
-
-
 class Cond(Family):
-    apart = True  # see CONTROL_FLOW_APART
     copied = frozenset({"If", "StatelessIf"})  # at least one of these (see test)
     any_of = True
 
@@ -202,7 +193,6 @@ class Cond(Family):
 
 
 class WhileLoop(Family):
-    apart = True  # see CONTROL_FLOW_APART
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
 
@@ -222,13 +212,90 @@ class Scan(Family):
 
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
-    apart = True  # see CONTROL_FLOW_APART
 
     def forward(self, vs):
         h = _layer(_input(10, B, W), vs[0])
         first = h
         h = tf.scan(lambda acc, row: tf.tanh(acc * 0.5 + tf.linalg.matvec(vs[1], row)),
                     h, initializer=tf.zeros([W]))
+        h = _layer(h, vs[2])
+        return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
+
+
+class WhileInWhile(Family):
+    """A variable read by a loop nested in another loop: its copy must carry the
+    nested bodies, or TensorFlow's gradient rebuilds them and loses the read."""
+
+    copied = frozenset({"While", "StatelessWhile"})
+    any_of = True
+
+    def forward(self, vs):
+        h = _layer(_input(30, B, W), vs[0])
+        first = h
+
+        def inner(s):
+            return tf.while_loop(lambda j, t: j < 2,
+                                 lambda j, t: (j + 1, _layer(t, vs[1]) * 0.5 + 0.5 * t),
+                                 [tf.constant(0), s])[1]
+
+        h = tf.while_loop(lambda i, s: i < 2, lambda i, s: (i + 1, inner(s)),
+                          [tf.constant(0), h])[1]
+        h = _layer(h, vs[2])
+        return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
+
+
+class MapInMap(Family):
+    """Nested tf.map_fn over rows and their halves, reading a variable inside."""
+
+    copied = frozenset({"While", "StatelessWhile"})
+    any_of = True
+
+    def forward(self, vs):
+        h = _layer(_input(31, B, W), vs[0])
+        first = h
+
+        def row(r):
+            halves = tf.reshape(r, [2, W // 2])
+            out = tf.map_fn(lambda half: tf.tanh(half * vs[1][0, : W // 2]), halves)
+            return tf.reshape(out, [W])
+
+        h = tf.map_fn(row, h)
+        h = _layer(h, vs[2])
+        return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
+
+
+class MapInWhile(Family):
+    """A tf.map_fn inside a while body, reading a variable."""
+
+    copied = frozenset({"While", "StatelessWhile"})
+    any_of = True
+
+    def forward(self, vs):
+        h = _layer(_input(32, B, W), vs[0])
+        first = h
+
+        def body(i, s):
+            return i + 1, tf.map_fn(lambda r: tf.tanh(tf.linalg.matvec(vs[1], r)), s)
+
+        h = tf.while_loop(lambda i, s: i < 2, body, [tf.constant(0), h])[1]
+        h = _layer(h, vs[2])
+        return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
+
+
+class CondInWhile(Family):
+    """A tf.cond reading a variable inside a while body (needs handle data)."""
+
+    copied = frozenset({"While", "StatelessWhile"})
+    any_of = True
+
+    def forward(self, vs):
+        h = _layer(_input(33, B, W), vs[0])
+        first = h
+
+        def body(i, s):
+            return i + 1, tf.cond(tf.equal(i % 2, 0), lambda: _layer(s, vs[1]), lambda: tf.sin(s))
+
+        h = tf.while_loop(lambda i, s: i < 3, body, [tf.constant(0), h])[1]
         h = _layer(h, vs[2])
         return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
 
@@ -400,6 +467,10 @@ FAMILIES = {
     "cond": Cond,
     "while_loop": WhileLoop,
     "scan": Scan,
+    "while_in_while": WhileInWhile,
+    "map_in_map": MapInMap,
+    "map_in_while": MapInWhile,
+    "cond_in_while": CondInWhile,
     "embedding": Embedding,
     "einsum": Einsum,
     "mixed_precision": MixedPrecision,

@@ -13,11 +13,11 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.framework import func_graph as tf_func_graph
 from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.framework import tensor_shape
-from tensorflow.python.ops import control_flow_util_v2 as cf_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import variables as tf_variables
 
+from memsave.graph import functions
 from memsave.graph.walk import topo_order
 
 logger = logging.getLogger("memsave")
@@ -64,12 +64,13 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
 
     Inputs are resolved in order: ``replace`` (a ``{tensor.ref(): tensor}``
     map) first, then copies of ops in ``op_set``, else the original tensor.
-    Devices, output shapes, handle data, attributes (including function
-    attributes of control-flow and call ops) and the gradient function are
-    kept. Control inputs among copied ops are mapped to the copies; control
-    inputs on ops outside the set are kept as they are. Every copy also waits
-    for the ops in ``wait_for``, which stops Grappler from merging the copy
-    back into its original (CSE) or hoisting it into the forward pass.
+    Devices, output shapes, handle data, attributes and the gradient function
+    are kept; control-flow ops get deep copies of their bodies (see
+    :mod:`memsave.graph.functions`). Control inputs among copied ops are
+    mapped to the copies; control inputs on ops outside the set are kept as
+    they are. Every copy also waits for the ops in ``wait_for``, which stops
+    Grappler from merging the copy back into its original (CSE) or hoisting
+    it into the forward pass.
     """
     replace = dict(replace or {})
     order = topo_order(op_set)
@@ -87,39 +88,51 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
             return copies[t.op].outputs[t.value_index]
         return t
 
-    # Control inputs go straight onto the new ops: a control_dependencies()
-    # block would also mark each dependency with an attribute, mutating ops
-    # a Session may already have run.
-    with graph.name_scope(None), graph.control_dependencies(None):
-        for op in order:
-            name = "%s/%s" % (scope, op.name)
-            inputs = [source(t) for t in op.inputs]
-            control = [copies.get(c, c) for c in op.control_inputs] + wait_for
-            if control and op.type in _GROWS_INPUTS:
-                inputs[0] = _gated(graph, inputs[0], control, op.device, name + "/memsave_gate")
-                control = []
-            attrs = dict(op.node_def.attr)
-            if op.type in _REWRITTEN_BY_GRADIENT:
-                attrs = _with_own_functions(op, attrs)
-            new = graph._create_op_internal(  # pylint: disable=protected-access
-                op.type,
-                inputs,
-                dtypes=[o.dtype for o in op.outputs],
-                input_types=op._input_types,  # pylint: disable=protected-access
-                name=name,
-                attrs=attrs,
-                op_def=op.op_def,
-                compute_device=False)
-            new._set_device(op.device)  # pylint: disable=protected-access
-            new._gradient_function = op._gradient_function  # pylint: disable=protected-access
-            for old_t, new_t in zip(op.outputs, new.outputs):
-                new_t.set_shape(old_t.shape)
-                handle_data_util.copy_handle_data(old_t, new_t)
-            if control:
-                new._add_control_inputs(control)  # pylint: disable=protected-access
-            copies[op] = new
-            _created_ops.add(new)
+    for op in order:
+        inputs = [source(t) for t in op.inputs]
+        control = [copies.get(c, c) for c in op.control_inputs] + wait_for
+        copies[op] = copy_op(graph, op, inputs, "%s/%s" % (scope, op.name), control)
     return copies
+
+
+def copy_op(graph, op, inputs, name, control=()):
+    """One copy of ``op`` in ``graph`` reading ``inputs`` and waiting for ``control``.
+
+    Control inputs go straight onto the new op: a control_dependencies()
+    block would also mark each dependency with an attribute, mutating ops a
+    Session may already have run.
+    """
+    control = list(control)
+    with graph.name_scope(None), graph.control_dependencies(None):
+        if control and op.type in _GROWS_INPUTS:
+            inputs = list(inputs)
+            inputs[0] = _gated(graph, inputs[0], control, op.device, name + "/memsave_gate")
+            control = []
+        attrs = dict(op.node_def.attr)
+        bodies = {}
+        if functions.has_bodies(op):
+            new_attrs, bodies = functions.copy_bodies(op, inputs, graph, copy_op)
+            attrs.update(new_attrs)
+        new = graph._create_op_internal(  # pylint: disable=protected-access
+            op.type,
+            inputs,
+            dtypes=[o.dtype for o in op.outputs],
+            input_types=op._input_types,  # pylint: disable=protected-access
+            name=name,
+            attrs=attrs,
+            op_def=op.op_def,
+            compute_device=False)
+    new._set_device(op.device)  # pylint: disable=protected-access
+    new._gradient_function = op._gradient_function  # pylint: disable=protected-access
+    for py_attr, body in bodies.items():
+        setattr(new, py_attr, body)
+    for old_t, new_t in zip(op.outputs, new.outputs):
+        new_t.set_shape(old_t.shape)
+        handle_data_util.copy_handle_data(old_t, new_t)
+    if control:
+        new._add_control_inputs(control)  # pylint: disable=protected-access
+    _created_ops.add(new)
+    return new
 
 
 # while_v2's gradient, in a plain Graph, appends accumulator inputs to the
@@ -127,13 +140,6 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
 # copied While cannot carry control inputs itself; it waits through a gated
 # first input (the loop counter) instead.
 _GROWS_INPUTS = frozenset({"While", "StatelessWhile"})
-
-# cond_v2/while_v2 gradients may rewrite the forward op to expose its
-# intermediates, naming the new functions after the old ones plus
-# "_rewritten". A copy sharing the original's functions would collide with
-# the original's own rewrite (or another copy's), so copies get their own.
-_REWRITTEN_BY_GRADIENT = frozenset({
-    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"})
 
 
 def _gated(graph, t, control, device, name):
@@ -150,37 +156,6 @@ def _gated(graph, t, control, device, name):
     return gate.outputs[0]
 
 
-def _function_input_shapes(op):
-    if op.type in ("While", "StatelessWhile"):
-        return [tensor_shape.TensorShape(s) for s in op.get_attr("output_shapes")]
-    return [t.shape for t in op.inputs[1:]]   # If and Case: the first input selects
-
-
-def _with_own_functions(op, attrs):
-    """``attrs`` with every function attribute pointing at a fresh copy of its function."""
-    renamed = {}
-
-    def fresh(name):
-        if name not in renamed:
-            body = cf_util.get_func_graph(op, _function_input_shapes(op), name)
-            body.name = cf_util.unique_fn_name("", "%s_memsave" % name)
-            renamed[name] = cf_util.create_new_tf_function(body)
-        return renamed[name]
-
-    out = {}
-    for key, value in attrs.items():
-        if value.HasField("func"):
-            value = attr_value_pb2.AttrValue(
-                func=attr_value_pb2.NameAttrList(name=fresh(value.func.name),
-                                                 attr=value.func.attr))
-        elif value.HasField("list") and value.list.func:
-            value = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                func=[attr_value_pb2.NameAttrList(name=fresh(f.name), attr=f.attr)
-                      for f in value.list.func]))
-        out[key] = value
-    return out
-
-
 def graph_tensor(x, graph):
     """The graph tensor that stands for ``x`` in ``graph``.
 
@@ -192,6 +167,9 @@ def graph_tensor(x, graph):
     """
     if resource_variable_ops.is_resource_variable(x):
         x = x.handle
+    elif isinstance(x, tf_variables.Variable):
+        # A TF1 reference variable: tf.gradients differentiates by its ref tensor.
+        x = x._ref()  # pylint: disable=protected-access
     elif hasattr(x, "value") and resource_variable_ops.is_resource_variable(getattr(x, "value", None)):
         # Keras 3 variables wrap a tf.Variable in ``.value``.
         x = x.value.handle

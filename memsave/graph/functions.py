@@ -1,0 +1,157 @@
+"""Deep copies of the function bodies of functional control flow.
+
+A ``While``, ``If`` or ``Case`` op made by ``tf.while_loop``/``tf.cond``
+carries, besides its function attributes, the Python ``FuncGraph`` objects it
+was traced from (``op._body_graph``, ``op._true_graph``, ...). TensorFlow's
+gradient of the op works on those graphs: their captures say which inputs
+are loop invariants or captured variables, and nested control-flow ops inside
+them carry their own graphs. When they are missing, the gradient rebuilds
+the bodies from the function library, and that rebuild loses what it cannot
+read back from a ``FunctionDef``: a variable read by a loop nested in
+another loop gets a zero gradient, a ``tf.cond`` in a loop body that reads a
+variable has no handle data. The gradient also rewrites the op and its
+bodies (to expose intermediates), naming the new functions after the old
+ones; two ops sharing bodies then collide.
+
+So a copy of such an op gets a deep copy of its bodies: new ``FuncGraph``
+objects of the same kinds, with the same inputs, captures, outputs and ops,
+nested control flow copied the same way, each registered under a new name.
+The copy then differentiates exactly like the original. Bodies the original
+does not carry (a graph imported from a ``GraphDef``) are rebuilt first, the
+way TensorFlow's own gradient would rebuild them.
+"""
+
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import func_graph as tf_func_graph
+from tensorflow.python.framework import tensor_shape
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import control_flow_util_v2 as cf_util
+from tensorflow.python.ops import handle_data_util
+from tensorflow.python.util import nest
+
+from memsave.graph.walk import topo_order
+
+# op type -> (index of the first input the bodies see, [(function attr, Python attr)]).
+# A ``Case`` has one list attribute; its bodies are ``_branch_graph_<i>``.
+_WHILE = (0, (("cond", "_cond_graph"), ("body", "_body_graph")))
+_IF = (1, (("then_branch", "_true_graph"), ("else_branch", "_false_graph")))
+_CASE = (1, (("branches", "_branch_graph_%d"),))
+BODIES = {
+    "While": _WHILE, "StatelessWhile": _WHILE,
+    "If": _IF, "StatelessIf": _IF,
+    "Case": _CASE, "StatelessCase": _CASE,
+}
+
+
+def has_bodies(op):
+    return op.type in BODIES
+
+
+def _input_shapes(op, offset):
+    if offset == 0:   # While: the loop variables' shapes
+        return [tensor_shape.TensorShape(s) for s in op.get_attr("output_shapes")]
+    return [t.shape for t in op.inputs[offset:]]
+
+
+def _source_body(op, attr_name, offset, func_name):
+    """The FuncGraph ``op`` runs for ``attr_name``, rebuilt if ``op`` does not carry it."""
+    body = getattr(op, attr_name, None)
+    if body is not None:
+        return body
+    body = cf_util.get_func_graph(op, _input_shapes(op, offset), func_name)
+    for outer, inner in zip(op.inputs[offset:], body.inputs):
+        handle_data_util.copy_handle_data(outer, inner)
+    return body
+
+
+def _bodies_of(op):
+    """``[(attr key, position in a list attr or None, Python attr, source FuncGraph)]``."""
+    offset, attrs = BODIES[op.type]
+    out = []
+    for key, py_attr in attrs:
+        value = op.node_def.attr[key]
+        if value.HasField("func"):
+            out.append((key, None, py_attr,
+                        _source_body(op, py_attr, offset, value.func.name)))
+        else:
+            for i, f in enumerate(value.list.func):
+                name = py_attr % i
+                out.append((key, i, name, _source_body(op, name, offset, f.name)))
+    return out
+
+
+def copy_bodies(op, inputs, outer_graph, create_op):
+    """Deep copies of ``op``'s bodies for a copy of ``op`` that reads ``inputs``.
+
+    Returns ``(attrs, graphs)``: the function attributes the copy must carry
+    (pointing at the new, registered functions) and ``{Python attr: FuncGraph}``
+    to set on the copy. ``create_op(graph, op, inputs, name, attrs_override,
+    control)`` creates one copied op (see ``memsave.graph.edit``).
+    """
+    offset, _ = BODIES[op.type]
+    external = list(inputs[offset:])
+    attrs, graphs, lists = {}, {}, {}
+    for key, position, py_attr, source in _bodies_of(op):
+        new = clone_func_graph(source, outer_graph, external, create_op)
+        name = cf_util.create_new_tf_function(new)
+        graphs[py_attr] = new
+        old = op.node_def.attr[key]
+        if position is None:
+            attrs[key] = attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(
+                name=name, attr=old.func.attr))
+        else:
+            lists.setdefault(key, []).append(attr_value_pb2.NameAttrList(
+                name=name, attr=old.list.func[position].attr))
+    for key, funcs in lists.items():
+        attrs[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(func=funcs))
+    return attrs, graphs
+
+
+def clone_func_graph(source, outer_graph, external, create_op):
+    """A new FuncGraph like ``source``, living in ``outer_graph``.
+
+    ``external`` are the tensors of ``outer_graph`` that the new body's
+    inputs stand for (the copied op's inputs): a capture of ``source`` at
+    input ``k`` becomes a capture of ``external[k]``.
+    """
+    name = cf_util.unique_fn_name("", "%s_memsave" % source.name)
+    with outer_graph.as_default():
+        # Control-flow FuncGraphs read their outer graph at construction.
+        new = type(source)(name, collections=None)
+    new.outer_graph = outer_graph
+    for fn in source._functions.values():  # pylint: disable=protected-access
+        # Functions the body calls (PartitionedCall) go with it.
+        new._add_function_recursive(fn)  # pylint: disable=protected-access
+    mapping = {}
+    with new.as_default():
+        for ph in source.inputs:
+            p = array_ops.placeholder(ph.dtype, ph.shape, name=ph.op.name)
+            handle_data_util.copy_handle_data(ph, p)
+            mapping[ph.ref()] = p
+        new.inputs = [mapping[ph.ref()] for ph in source.inputs]
+        position = {ph.ref(): k for k, ph in enumerate(source.inputs)}
+        for _, internal in source.captures:
+            k = position.get(internal.ref())
+            if k is not None and k < len(external):
+                new.replace_capture(external[k], new.inputs[k])
+        copies = {}
+        input_ops = {ph.op for ph in source.inputs}
+        for op in topo_order(set(source.get_operations()) - input_ops):
+            inputs = [mapping.get(t.ref(), t) for t in op.inputs]
+            control = [copies[c] for c in op.control_inputs if c in copies]
+            copy = create_op(new, op, inputs, op.name, control)
+            copies[op] = copy
+            for old_t, new_t in zip(op.outputs, copy.outputs):
+                mapping[old_t.ref()] = new_t
+    new.outputs = [mapping[t.ref()] for t in source.outputs]
+    new.control_outputs = [copies[op] for op in source.control_outputs if op in copies]
+    new.structured_outputs = nest.map_structure(
+        lambda t: mapping.get(t.ref(), t) if _is_graph_tensor(t) else t,
+        source.structured_outputs)
+    new.variables = list(source.variables)
+    return new
+
+
+def _is_graph_tensor(t):
+    return hasattr(t, "ref") and hasattr(t, "graph") and not isinstance(
+        t, tf_func_graph.FuncGraph)
