@@ -318,7 +318,12 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
             call.xs.append(t)
         return where[t.ref()]
 
-    present = [x for x in flat_xs if x is not None]
+    # A variable is tracked when the tape watched the variable itself: the
+    # tape records a nested function call (Keras runs grouped convolutions
+    # as one) on the variable's own handle, not on the placeholder this
+    # graph captured for it, which the tape may never have seen.
+    present = [(raw.handle if resource_variable_ops.is_resource_variable(raw) else x)
+               for raw, x in zip(flat_raw, flat_xs) if x is not None]
     present_ok = iter(_tracked(tape, present))
     for raw, x in zip(flat_raw, flat_xs):
         ok = next(present_ok) if x is not None else False

@@ -392,3 +392,35 @@ def test_jacobian_uses_plain_gradient(rewrites):
 
     assert_same(*_both(step))
     assert not rewrites
+
+
+@pytest.mark.parametrize("strategy", ["speed", "optimal"])
+def test_variables_read_inside_a_nested_function_call(strategy):
+    """Keras runs a grouped Conv2D as a nested tf.function (a call op); the tape
+    records that call on the variable's own handle. Its kernel must get a
+    gradient, as with the plain tape (it used to be None)."""
+    import keras  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((12, 12, 8)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(16, 3, groups=4, padding="same", activation="relu"),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(3),
+    ])
+    x = tf.constant(np.random.RandomState(0).randn(4, 12, 12, 8).astype(np.float32))
+    weights = model.trainable_variables
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            return tape.gradient(loss, weights)
+        return f()
+
+    plain = step(lambda: tf.GradientTape())
+    ours = step(lambda: memsave.GradientTape(checkpoints=strategy, min_checkpoint_size=0))
+    assert all(g is not None for g in plain)
+    assert_same(plain, ours, atol=1e-5 * max(float(np.abs(g).max()) for g in plain))
