@@ -79,12 +79,18 @@ def _body_is_pinned(graph, names, seen):
 
 
 def written_handles(graph, region_ops):
-    """Refs of resource handles written by an op that runs after ``region_ops``.
+    """``{handle ref: id}`` of resource handles written after a reader, with
+    the creation id of their latest writer that may run after ``region_ops``.
 
     Only such writes can change a variable between a forward read and its
-    recomputation. Writes that do not depend on the region (initializers,
-    ``tf.random.Generator``-style state updates made from constants) run
-    outside the step or before the read, and leave re-reads exact.
+    recomputation. In a plain graph that is a write downstream of the region
+    (writes that do not depend on it, like initializers, run outside the step
+    or before the read). In a ``tf.function`` the ordering edges do not exist
+    yet when gradients are built: automatic control dependencies later order
+    every op touching a resource by creation, so a write created after a
+    reader runs after it, and a copy of the reader created now would run
+    after the write and read the new value. There the writer's id decides
+    (see :func:`is_pinned`).
     """
     writers = {}
     for op in graph.get_operations():
@@ -99,16 +105,29 @@ def written_handles(graph, region_ops):
                     continue  # a body with only recomputable ops just reads
                 writers.setdefault(consumer, []).append(t.ref())
     if not writers:
-        return set()
-    after = forward_ops(region_ops, control=True)
-    return {ref for op, handle_refs in writers.items() if op in after for ref in handle_refs}
+        return {}
+    if _orders_by_creation(graph):
+        after = {op: op._id for op in writers}  # pylint: disable=protected-access
+    else:
+        downstream = forward_ops(region_ops, control=True)
+        after = {op: float("inf") for op in writers if op in downstream}
+    written = {}
+    for op, order in after.items():
+        for ref in writers[op]:
+            written[ref] = max(written.get(ref, order), order)
+    return written
 
 
-def is_pinned(op, written=frozenset()):
+def _orders_by_creation(graph):
+    """True for graphs whose stateful ops get ordered by creation later (tf.function)."""
+    return bool(getattr(graph, "_add_control_dependencies", False))
+
+
+def is_pinned(op, written=None):
     """True if ``op`` must not be recomputed.
 
-    ``written`` holds refs of resource handles written after the region;
-    a control-flow or call op reading such a variable is pinned.
+    ``written`` is :func:`written_handles`' map; a control-flow or call op
+    reading a variable that a later op writes is pinned.
     """
     if op.type in ALWAYS_PINNED:
         return True
@@ -120,7 +139,10 @@ def is_pinned(op, written=frozenset()):
         # keeping it costs no activation memory.
         return True
     if op.type in FUNCTION_CALLS:
-        if any(t.dtype.name == "resource" and t.ref() in written for t in op.inputs):
+        written = written or {}
+        if any(t.dtype.name == "resource"
+               and written.get(t.ref(), -1) > op._id  # pylint: disable=protected-access
+               for t in op.inputs):
             return True
         return _body_is_pinned(op.graph, _function_names(op.node_def.attr), set())
     return op.op_def.is_stateful and op.type not in RECOMPUTABLE_STATEFUL
