@@ -7,6 +7,7 @@ import logging
 
 from memsave.api import (gradients, gradients_collection, gradients_memory,
                          gradients_speed, plan)
+from memsave.graph.region import V1ControlFlowError
 from memsave.patch import patch, unpatch
 from memsave.plan import BudgetError, NoBottleneckError, Plan
 from memsave.tape import GradientTape
@@ -26,6 +27,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "BudgetError", "GradientTape", "NoBottleneckError", "Plan", "gradients",
-    "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan", "unpatch",
+    "BudgetError", "GradientTape", "NoBottleneckError", "Plan", "V1ControlFlowError",
+    "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan", "unpatch",
 ]

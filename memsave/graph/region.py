@@ -89,6 +89,35 @@ def has_gradient(op):
         return False
 
 
+# The ops of TF1 control flow (tf.compat.v1.disable_control_flow_v2()).
+V1_CONTROL_FLOW = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
+    "NextIteration", "RefNextIteration", "LoopCond",
+})
+
+
+class V1ControlFlowError(ValueError):
+    """The region holds TF1 control flow, which memsave cannot recompute."""
+
+
+def _refuse_v1_control_flow(ops):
+    """Raise on TF1 control flow: copying it needs its control-flow contexts.
+
+    A v1 ``cond`` or ``while_loop`` is a web of Switch/Merge/Enter/Exit ops
+    tied together by Python context objects; a copy of some of its ops is not
+    a valid construct (a copied cond loses its branch gradients, a while loop
+    is a cycle). Wrong or missing gradients are worse than none.
+    """
+    found = sorted({op.type for op in ops if op.type in V1_CONTROL_FLOW})
+    if found:
+        raise V1ControlFlowError(
+            "memsave cannot recompute TF1 control flow (found %s ops between xs and "
+            "ys, from tf.compat.v1.disable_control_flow_v2() or a graph built "
+            "without control flow v2). Build the graph with control flow v2 "
+            "(tf.compat.v1.enable_control_flow_v2(), the TF2 default) or use "
+            "tf.gradients for this graph." % ", ".join(found))
+
+
 def analyze(ys, xs):
     """Find the region between graph tensors ``xs`` and ``ys``.
 
@@ -100,8 +129,9 @@ def analyze(ys, xs):
     behind_ys = backward_ops([y.op for y in ys])
     starts = [c for x in xs for c in x.consumers() if c in behind_ys]
     ops = forward_ops(starts, within=behind_ys)
+    _refuse_v1_control_flow(ops)
     order = topo_order(ops)
-    written = written_handles(graph, ops) if ops else set()
+    written = written_handles(graph, ops) if ops else {}
     pinned = {op for op in order if is_pinned(op, written)}
     forced, seen = [], set()
 
