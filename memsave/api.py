@@ -7,6 +7,7 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import tensor as tf_tensor
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 # ``memsave.plan`` is also the public function below, so import the modules.
 from memsave.plan import strategies as planning
@@ -38,6 +39,49 @@ def _check_graph_tensor(t, what):
             "training step in tf.function)." % what)
     if not isinstance(t, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
         raise TypeError("%s must hold tf.Tensor objects, got %r" % (what, t))
+
+
+def _as_ys(ys):
+    """``ys`` as graph tensors, converted as ``tf.gradients`` converts them.
+
+    Variables and Python numbers become tensors of the graph the other ys
+    live in (else the default graph): a variable is read, a number is a
+    constant, whose gradients are then unconnected.
+    """
+    ys = _as_list(ys)
+    if not ys:
+        return ys
+    graphs = [y.graph for y in ys if isinstance(y, (tf_tensor.Tensor, indexed_slices.IndexedSlices))
+              and not isinstance(y, tf_ops.EagerTensor)]
+    graph = graphs[0] if graphs else tf_ops.get_default_graph()
+    out = []
+    with graph.as_default():
+        for y in ys:
+            if isinstance(y, tf_ops.EagerTensor) or isinstance(
+                    y, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
+                out.append(y)   # checked, with a clear message, by _validate
+                continue
+            try:
+                out.append(tf_ops.convert_to_tensor(y, name="y"))
+            except (TypeError, ValueError) as e:
+                raise TypeError("ys must hold tensors, variables or numbers, got %r (%s)"
+                                % (y, e)) from None
+    return out
+
+
+def _tf_gradients_options(kwargs):
+    """The ``tf.gradients`` keyword arguments, normalized the way it does."""
+    kwargs = dict(kwargs)
+    if "unconnected_gradients" in kwargs:
+        value = kwargs["unconnected_gradients"]
+        try:
+            kwargs["unconnected_gradients"] = UnconnectedGradients(value)
+        except ValueError:
+            raise ValueError("unknown value for unconnected_gradients: %r; use 'none' or "
+                             "'zero' (tf.UnconnectedGradients)" % (value,)) from None
+    if kwargs.get("stop_gradients") is not None:
+        kwargs["stop_gradients"] = _as_list(kwargs["stop_gradients"])
+    return kwargs
 
 
 def _validate(ys, xs, grad_ys):
@@ -216,8 +260,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
     Works in a ``tf.compat.v1`` Graph and inside ``tf.function``.
     """
-    ys = _as_list(ys)
+    ys = _as_ys(ys)
     xs = _as_list(xs)
+    tf_gradients_kwargs = _tf_gradients_options(tf_gradients_kwargs)
     grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
     with graph.as_default():
@@ -274,7 +319,7 @@ def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, b
          offload=None, swapin_ahead=1, host_bandwidth=DEFAULT_HOST_BANDWIDTH,
          device_flops=DEFAULT_DEVICE_FLOPS):
     """The plan a strategy would execute, without rewriting anything."""
-    ys = _as_list(ys)
+    ys = _as_ys(ys)
     xs = _as_list(xs)
     graph = _validate(ys, xs, None)
     with graph.as_default():

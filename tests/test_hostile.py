@@ -141,8 +141,19 @@ def test_empty_ys_and_xs():
 
 def test_ys_not_a_tensor():
     graph, _, ws, _, _ = _chain()
-    with graph.as_default(), pytest.raises(TypeError, match="ys must hold tf.Tensor"):
-        memsave.gradients(np.ones(3), ws)
+    with graph.as_default(), pytest.raises(TypeError, match="ys must hold tensors"):
+        memsave.gradients(object(), ws)
+
+
+def test_ys_that_are_numbers_or_variables_convert_like_tf_gradients():
+    """tf.gradients turns a number into a constant (unconnected) and reads a variable."""
+    graph, _, ws, _, _ = _chain()
+    with graph.as_default():
+        assert memsave.gradients(np.ones(3), ws) == tf.gradients(np.ones(3), ws)
+        assert memsave.gradients(3.0, ws) == [None] * len(ws)
+        got = memsave.gradients(ws[0], ws, checkpoints="speed")
+        want = tf.gradients(ws[0], ws)
+        assert [g is None for g in got] == [g is None for g in want]
 
 
 def test_grad_ys_length_mismatch():
@@ -511,3 +522,70 @@ def test_calling_memsave_changes_no_global_state():
         assert graph.get_collection("checkpoints") == []
     assert (tf.gradients, tf.compat.v1.gradients, sys.getrecursionlimit()) == originals
     assert tf.compat.v1.get_default_graph() is default_before
+
+
+# ------------------------------------------------------------------ inputs tf.gradients accepts
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "optimal"])
+def test_unconnected_gradients_as_a_string(strategy):
+    graph, x, ws, _, loss = _chain()
+    with graph.as_default():
+        z = tf.constant(1.0)
+        plain = tf.gradients(loss, ws + [z], unconnected_gradients="zero")
+        ours = memsave.gradients(loss, ws + [z], checkpoints=strategy, min_checkpoint_size=0,
+                                 unconnected_gradients="zero")
+        assert ours[-1] is not None
+    _run_equal(graph, plain, ours)
+
+
+def test_unknown_unconnected_gradients_value():
+    graph, _, ws, _, loss = _chain()
+    with graph.as_default(), pytest.raises(ValueError, match="unconnected_gradients"):
+        memsave.gradients(loss, ws, checkpoints="speed", unconnected_gradients="zeroes")
+
+
+def test_stop_gradients_a_single_tensor():
+    graph, x, ws, hs, loss = _chain()
+    with graph.as_default():
+        plain = tf.gradients(loss, ws + [x], stop_gradients=hs[2])
+        ours = memsave.gradients(loss, ws + [x], checkpoints="speed", stop_gradients=hs[2])
+    _run_equal(graph, plain, ours)
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", "optimal"])
+def test_reference_variables_as_xs(strategy):
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        ws = [tf.compat.v1.Variable(rng.randn(8, 8).astype(np.float32) * 0.4, use_resource=False)
+              for _ in range(4)]
+        h = tf.constant(rng.randn(4, 8).astype(np.float32))
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+        plain = tf.gradients(loss, ws)
+        ours = memsave.gradients(loss, ws, checkpoints=strategy, min_checkpoint_size=0)
+    _run_equal(graph, plain, ours)
+
+
+@pytest.mark.parametrize("structure", ["cond", "while"])
+def test_v1_control_flow_raises_clearly(structure):
+    """TF1 control flow cannot be copied piecewise: a clear error, never None."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph, x, ws, hs, _ = _chain()
+        with graph.as_default():
+            h = hs[2]
+            if structure == "cond":
+                h = tf.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h @ ws[3]), lambda: h * 2.0)
+            else:
+                h = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.tanh(a @ ws[3])),
+                                  [0, h])[1]
+            loss = tf.reduce_sum(tf.tanh(h @ ws[4]))
+            for strategy in ("speed", "memory", "optimal", "collection"):
+                with pytest.raises(memsave.V1ControlFlowError, match="TF1 control flow"):
+                    memsave.gradients(loss, ws, checkpoints=strategy, min_checkpoint_size=0)
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
