@@ -10,6 +10,7 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[cpu,test,bench]"
+	$(PY) -m pip install -q --no-deps keras-hub==0.32.0
 	touch $(STAMP)
 
 demo: $(STAMP)

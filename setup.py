@@ -21,7 +21,12 @@ setup(
     extras_require={
         "cpu": ["tensorflow-cpu==2.21.0"],
         "gpu": ["tensorflow==2.21.0"],
-        "test": ["pytest>=7", "hypothesis>=6"],
+        # keras-hub itself is installed without its dependencies (see the
+        # Makefile): it requires tensorflow-text, which pulls in the full
+        # `tensorflow` beside tensorflow-cpu. These are the ones it imports.
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3",
+                 "absl-py", "packaging", "regex", "rich", "kagglehub",
+                 "kagglesdk==0.1.28", "tokenizers", "sentencepiece"],
         "bench": ["matplotlib>=3.7"],
     },
     classifiers=[
