@@ -415,7 +415,7 @@ def tape_gradient(tape, config, target, sources, output_gradients=None,
                                   **config.options, **kwargs)
         except NoBottleneckError as e:
             raise TapeNoBottleneckError(
-                "%s (from GradientTape.gradient; pass checkpoints='speed' to "
+                "%s (from GradientTape.gradient; pass checkpoints='optimal' to "
                 "memsave.GradientTape, or to memsave.patch / memsave.keras.enable)" % e) from None
     flat_grad = []
     for route in call.routes:

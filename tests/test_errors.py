@@ -84,7 +84,7 @@ def test_memory_without_bottleneck_names_alternatives():
         x = tf.Variable(np.ones([64, 64], np.float32))
         # Two branches that only meet in a scalar: no large tensor cuts the graph.
         loss = tf.reduce_sum(tf.tanh(x)) + tf.reduce_sum(tf.sigmoid(x))
-        with pytest.raises(memsave.NoBottleneckError, match="checkpoints='speed'"):
+        with pytest.raises(memsave.NoBottleneckError, match="checkpoints='optimal'"):
             memsave.gradients(loss, [x], checkpoints="memory")
 
 

@@ -62,7 +62,7 @@ def test_strategy_errors_keep_their_type_through_tf_function():
     try:
         step()
     except memsave.NoBottleneckError as e:
-        assert "checkpoints='speed'" in str(e)
+        assert "checkpoints='optimal'" in str(e)
     else:
         raise AssertionError("NoBottleneckError was not raised")
 

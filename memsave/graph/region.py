@@ -200,7 +200,7 @@ def to_plan_graph(region, batch_size=None):
     input of a region op to each of its outputs. Node attributes: ``order``
     (topological index), ``elements``/``bytes`` (None when the rank is
     unknown; unknown dimensions count as ``batch_size``, or 1 without that
-    hint), ``cost`` (FLOPs of the producing
+    hint; ``sized_exactly`` is False when such a 1 was used), ``cost`` (FLOPs of the producing
     op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
     ``saved`` (read by some gradient, so backprop keeps it alive),
     ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
@@ -236,6 +236,7 @@ def to_plan_graph(region, batch_size=None):
         for t in op.outputs:
             n = num_elements(t.shape, batch_size or 1)
             g.add_node(t.name, order=index, elements=n,
+                       sized_exactly=t.shape.is_fully_defined() or bool(batch_size),
                        bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
                        cost=cost, op_type=op.type, x=False, y=t.name in y_names,
                        forced=t.name in forced, saved=t.name in saved,

@@ -175,17 +175,28 @@ def memory(graph, min_checkpoint_size=1024):
         raise ValueError("min_checkpoint_size must be >= 0, got %r" % (min_checkpoint_size,))
 
     def big(n):
-        e = graph.nodes[n].get("elements")
-        return e is None or e >= min_checkpoint_size
+        # An element count made with unknown dimensions taken as 1 is only a
+        # lower bound (Keras retraces the last, smaller batch with an unknown
+        # batch size): it cannot rule a tensor out.
+        d = graph.nodes[n]
+        e = d.get("elements")
+        return e is None or not d.get("sized_exactly", True) or e >= min_checkpoint_size
 
     sized = [n for n, d in graph.nodes(data=True) if d.get("candidate") and big(n)]
-    found = [n for n in bottlenecks(graph) if graph.nodes[n].get("candidate") and big(n)]
+    cuts = [n for n in bottlenecks(graph) if graph.nodes[n].get("candidate")]
+    found = [n for n in cuts if big(n)]
+    if cuts and not found:
+        raise NoBottleneckError(
+            "checkpoints='memory' found %d bottleneck tensor(s) between xs and ys, all "
+            "smaller than min_checkpoint_size=%d elements, so keeping them saves "
+            "nothing. Lower min_checkpoint_size, or use checkpoints='optimal'."
+            % (len(cuts), min_checkpoint_size))
     if not found:
         raise NoBottleneckError(
             "checkpoints='memory' found no bottleneck tensor (of at least %d elements) "
             "between xs and ys: every activation is bypassed by another path, as in "
-            "U-Nets or dense blocks. Use checkpoints='speed', checkpoints='collection' "
-            "with tensors added to the 'checkpoints' collection, or pass an explicit "
+            "U-Nets or dense blocks. Use checkpoints='optimal' (any graph), "
+            "checkpoints='collection' with tensors added to the 'checkpoints' collection, or pass an explicit "
             "list of tensors." % min_checkpoint_size)
     chosen, _ = _best_spacing(graph, found)
     return _make_plan(graph, "memory", chosen,
