@@ -5,8 +5,8 @@ Importing memsave changes nothing: no patching, no global settings.
 
 import logging
 
-from memsave.api import (gradients, gradients_collection, gradients_memory,
-                         gradients_speed, plan)
+from memsave.api import (GradientMismatchError, gradients, gradients_collection,
+                         gradients_memory, gradients_speed, plan)
 from memsave.graph.region import V1ControlFlowError
 from memsave.patch import patch, unpatch
 from memsave.plan import BudgetError, NoBottleneckError, Plan
@@ -27,6 +27,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "BudgetError", "GradientTape", "NoBottleneckError", "Plan", "V1ControlFlowError",
+    "BudgetError", "GradientMismatchError", "GradientTape", "NoBottleneckError", "Plan", "V1ControlFlowError",
     "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan", "unpatch",
 ]

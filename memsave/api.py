@@ -16,11 +16,20 @@ from memsave.plan.optimal import optimal
 from memsave.plan.plan import Plan
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
+from memsave.graph.walk import differentiably_connected
 from memsave.rewrite import SwapConfig, plain_gradients, rewrite
 
 logger = logging.getLogger("memsave")
 
 STRATEGIES = ("optimal", "memory", "speed", "collection")
+
+
+class GradientMismatchError(RuntimeError):
+    """memsave's gradients would not have ``tf.gradients``' ``None`` pattern.
+
+    Raised instead of returning them: a missing gradient trains silently
+    wrong. It is a memsave bug; please report it with the graph.
+    """
 
 
 def _as_list(value):
@@ -286,8 +295,41 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
             swap = SwapConfig(tuple(graph.get_tensor_by_name(n) for n in chosen.offloaded),
                               host_device, swapin_ahead, swapin_groupby)
             _say_if_offloading_is_a_no_op(swap)
-        return rewrite(region, kept, grad_ys=grad_ys, name=name, swap=swap,
-                       **tf_gradients_kwargs)
+        grads = rewrite(region, kept, grad_ys=grad_ys, name=name, swap=swap,
+                        **tf_gradients_kwargs)
+        _check_none_pattern(ys, xs, grads, grad_ys, name, tf_gradients_kwargs)
+        return grads
+
+
+def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):
+    """Raise unless ``grads`` is None exactly where ``tf.gradients`` gives None.
+
+    Reachability decides most cases for free. An x that reaches a y but got
+    None may still be right (an op on the path, like Floor, has no
+    gradient): only then is ``tf.gradients`` asked, for those xs alone (its
+    ops are built but never run).
+    """
+    if kwargs.get("unconnected_gradients") == UnconnectedGradients.ZERO:
+        return
+    stops = kwargs.get("stop_gradients") or []
+    extra, doubtful = [], []
+    for x, g in zip(xs, grads):
+        connected = differentiably_connected(x, ys, stops)
+        if g is not None and not connected:
+            extra.append(x.name)
+        elif g is None and connected:
+            doubtful.append(x)
+    lost = []
+    if doubtful:
+        plain = plain_gradients(ys, doubtful, grad_ys, name=name + "_check", **kwargs)
+        lost = [x.name for x, g in zip(doubtful, plain) if g is not None]
+    if extra or lost:
+        raise GradientMismatchError(
+            "memsave: internal error, refusing to return gradients that differ from "
+            "tf.gradients' (%s%s). Use tf.gradients for this graph and please report "
+            "it." % ("None for %s" % ", ".join(lost) if lost else "",
+                     "%sa gradient for unconnected %s" % ("; " if lost else "", ", ".join(extra))
+                     if extra else ""))
 
 
 def _say_if_offloading_is_a_no_op(swap):

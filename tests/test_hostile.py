@@ -589,3 +589,50 @@ def test_v1_control_flow_raises_clearly(structure):
     finally:
         if was_v2:
             tf.compat.v1.enable_control_flow_v2()
+
+
+# ------------------------------------------------------------------ the None-pattern guard
+
+def test_guard_refuses_a_lost_gradient(monkeypatch):
+    """If the rewrite ever loses a gradient, memsave raises instead of returning None."""
+    from memsave import api  # pylint: disable=import-outside-toplevel
+    original = api.rewrite
+
+    def losing(*args, **kwargs):
+        grads = original(*args, **kwargs)
+        return [None] + list(grads[1:])
+
+    monkeypatch.setattr(api, "rewrite", losing)
+    graph, _, ws, hs, loss = _chain()
+    with graph.as_default(), pytest.raises(memsave.GradientMismatchError, match="None for w0"):
+        memsave.gradients(loss, ws, checkpoints=[hs[2]])
+
+
+def test_guard_refuses_a_gradient_for_an_unconnected_x(monkeypatch):
+    from memsave import api  # pylint: disable=import-outside-toplevel
+    original = api.rewrite
+    graph, _, ws, hs, loss = _chain()
+    with graph.as_default():
+        stray = tf.Variable(1.0, name="stray")
+
+    def inventing(*args, **kwargs):
+        grads = original(*args, **kwargs)
+        return list(grads[:-1]) + [tf.constant(0.0)]
+
+    monkeypatch.setattr(api, "rewrite", inventing)
+    with graph.as_default(), pytest.raises(memsave.GradientMismatchError,
+                                           match="unconnected stray"):
+        memsave.gradients(loss, ws + [stray], checkpoints=[hs[2]])
+
+
+@pytest.mark.parametrize("strategy", ["speed", "optimal"])
+def test_guard_accepts_a_path_without_gradient(strategy):
+    """A path through Floor reaches the y, yet tf.gradients gives None: so must memsave."""
+    graph, x, ws, hs, _ = _chain()
+    with graph.as_default():
+        side = tf.Variable(np.ones([4, 8], np.float32), name="side")
+        loss = tf.reduce_sum(hs[-1] * hs[-1]) + tf.reduce_sum(tf.floor(side * 3.0))
+        plain = tf.gradients(loss, ws + [side])
+        ours = memsave.gradients(loss, ws + [side], checkpoints=strategy, min_checkpoint_size=0)
+        assert plain[-1] is None and ours[-1] is None
+    _run_equal(graph, plain, ours)

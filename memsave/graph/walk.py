@@ -107,3 +107,35 @@ def topo_order(op_set):
     if len(order) != len(op_set):
         raise ValueError("the graph has a cycle among %d ops" % (len(op_set) - len(order)))
     return order
+
+
+def differentiably_connected(x, ys, stop_at=()):
+    """True if a path of data edges with differentiable dtypes leads from ``x`` to a y.
+
+    This is ``tf.gradients``' own reachability (it never propagates through
+    integer, boolean or string tensors, nor past ``stop_gradients``), without
+    asking each op's gradient function: an op whose gradient is None (Floor,
+    Round) still counts as connected here.
+    """
+    behind = backward_ops([y.op for y in ys])
+    # Like tf.gradients, a stop tensor gets its gradient but its op passes none on.
+    stop_ops = {t.op for t in stop_at}
+    y_refs = refs(ys)
+    frontier = [x] if _differentiable_dtype(x) else []
+    seen = set()
+    while frontier:
+        t = frontier.pop()
+        if t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        if t.ref() in y_refs:
+            return True
+        for op in t.consumers():
+            if op in behind and op not in stop_ops:
+                frontier.extend(o for o in op.outputs if _differentiable_dtype(o))
+    return False
+
+
+def _differentiable_dtype(t):
+    dtype = t.dtype.base_dtype
+    return dtype.is_floating or dtype.is_complex or dtype.name in ("resource", "variant")
