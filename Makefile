@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memsave-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast test-all bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,17 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m benchmarks.depth --demo
 
+# Two workers: CI has 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
+
+# Everything, the slow real-model cases included (about 25 minutes on 2 cores).
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+# Without the real-model conformance suite (tests/test_real_models.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not real_models and not slow" tests
 
 # Every benchmark behind the README's figures (about 17 minutes on 2 cores).
 bench: $(STAMP)

@@ -17,3 +17,12 @@ def _seeded():
     np.random.seed(0)
     tf.random.set_seed(0)
     yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "real_models: Keras applications and keras-hub models against the plain "
+        "tape and plain fit (run alone with -m real_models)")
+    config.addinivalue_line(
+        "markers", "slow: left out of `make test` to keep CI under 15 minutes; "
+        "`make test-all` runs them")
