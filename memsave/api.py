@@ -313,8 +313,7 @@ def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):
         return
     stops = kwargs.get("stop_gradients") or []
     extra, doubtful = [], []
-    for x, g in zip(xs, grads):
-        connected = differentiably_connected(x, ys, stops)
+    for x, g, connected in zip(xs, grads, differentiably_connected(xs, ys, stops)):
         if g is not None and not connected:
             extra.append(x.name)
         elif g is None and connected:

@@ -109,31 +109,26 @@ def topo_order(op_set):
     return order
 
 
-def differentiably_connected(x, ys, stop_at=()):
-    """True if a path of data edges with differentiable dtypes leads from ``x`` to a y.
+def differentiably_connected(xs, ys, stop_at=()):
+    """For each x, whether a path of differentiable data edges leads to a y.
 
     This is ``tf.gradients``' own reachability (it never propagates through
     integer, boolean or string tensors, nor past ``stop_gradients``), without
     asking each op's gradient function: an op whose gradient is None (Floor,
     Round) still counts as connected here.
     """
-    behind = backward_ops([y.op for y in ys])
     # Like tf.gradients, a stop tensor gets its gradient but its op passes none on.
     stop_ops = {t.op for t in stop_at}
-    y_refs = refs(ys)
-    frontier = [x] if _differentiable_dtype(x) else []
-    seen = set()
+    reaching = set()   # refs of differentiable tensors with a path to a y
+    frontier = [y for y in ys if _differentiable_dtype(y)]
     while frontier:
         t = frontier.pop()
-        if t.ref() in seen:
+        if t.ref() in reaching:
             continue
-        seen.add(t.ref())
-        if t.ref() in y_refs:
-            return True
-        for op in t.consumers():
-            if op in behind and op not in stop_ops:
-                frontier.extend(o for o in op.outputs if _differentiable_dtype(o))
-    return False
+        reaching.add(t.ref())
+        if t.op not in stop_ops:
+            frontier.extend(i for i in t.op.inputs if _differentiable_dtype(i))
+    return [_differentiable_dtype(x) and x.ref() in reaching for x in xs]
 
 
 def _differentiable_dtype(t):
