@@ -200,8 +200,8 @@ def to_plan_graph(region, batch_size=None):
     input of a region op to each of its outputs. Node attributes: ``order``
     (topological index), ``elements``/``bytes`` (None when the rank is
     unknown; unknown dimensions count as ``batch_size``, or 1 without that
-    hint; ``sized_exactly`` is False when such a 1 was used), ``cost`` (FLOPs of the producing
-    op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
+    hint; ``sized_exactly`` is False when such a 1 was used), ``cost``
+    (FLOPs of the producing op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
     ``saved`` (read by some gradient, so backprop keeps it alive),
     ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
     still runs), ``grad_reads_inputs`` (its producer's gradient reads the

@@ -79,8 +79,11 @@ def _body_is_pinned(graph, names, seen):
 
 
 def written_handles(graph, region_ops):
-    """``{handle ref: id}`` of resource handles written after a reader, with
-    the creation id of their latest writer that may run after ``region_ops``.
+    """``{handle ref: order}`` for resource handles a later op may write.
+
+    ``order`` is the creation id of the latest writer, or infinity for a
+    writer that runs after ``region_ops``; a reader created before it may
+    see a different value when recomputed.
 
     Only such writes can change a variable between a forward read and its
     recomputation. In a plain graph that is a write downstream of the region

@@ -196,8 +196,8 @@ def memory(graph, min_checkpoint_size=1024):
             "checkpoints='memory' found no bottleneck tensor (of at least %d elements) "
             "between xs and ys: every activation is bypassed by another path, as in "
             "U-Nets or dense blocks. Use checkpoints='optimal' (any graph), "
-            "checkpoints='collection' with tensors added to the 'checkpoints' collection, or pass an explicit "
-            "list of tensors." % min_checkpoint_size)
+            "checkpoints='collection' with tensors added to the 'checkpoints' "
+            "collection, or pass an explicit list of tensors." % min_checkpoint_size)
     chosen, _ = _best_spacing(graph, found)
     return _make_plan(graph, "memory", chosen,
                       ["%d bottleneck(s) among %d activations; kept %d" % (
