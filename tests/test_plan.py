@@ -68,7 +68,7 @@ def test_no_bottleneck_raises_with_alternatives():
     _node(g, "b", 1)
     _node(g, "y", 2, y=True)
     g.add_edges_from([("x", "a"), ("x", "b"), ("a", "y"), ("b", "y")])
-    with pytest.raises(NoBottleneckError, match="'speed'"):
+    with pytest.raises(NoBottleneckError, match="'optimal'"):
         memory(g)
 
 
