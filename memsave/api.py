@@ -16,12 +16,17 @@ from memsave.plan.optimal import optimal
 from memsave.plan.plan import Plan
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
+from memsave.graph.shapes import resolve as resolve_shapes
 from memsave.graph.walk import differentiably_connected
 from memsave.rewrite import SwapConfig, plain_gradients, rewrite
 
 logger = logging.getLogger("memsave")
 
 STRATEGIES = ("optimal", "memory", "speed", "collection")
+
+# What ``fallback=None`` means. memsave's own test suite turns it off to
+# check the rewrite itself on graphs too small for it to pay.
+FALLBACK_TO_PLAIN = True
 
 
 class GradientMismatchError(RuntimeError):
@@ -185,25 +190,29 @@ def _offload_names(offload, region):
 
 
 def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None,
-              offload=None, offload_model=None):
+              offload=None, offload_model=None, shapes=None, max_recompute=None):
     """Run a strategy on the region; return a :class:`memsave.plan.Plan`.
 
     ``offload`` is None, 'auto' or a list of tensors to keep in host memory
-    (see :mod:`memsave.plan.offload`).
+    (see :mod:`memsave.plan.offload`). ``shapes`` and ``batch_size`` size
+    what the graph leaves unknown (see :mod:`memsave.graph.shapes`).
     """
     if budget is not None and checkpoints != "optimal":
         raise ValueError("budget= needs checkpoints='optimal', got %r" % (checkpoints,))
+    if max_recompute is not None and checkpoints != "optimal":
+        raise ValueError("max_recompute= needs checkpoints='optimal', got %r" % (checkpoints,))
     if isinstance(offload, str) and offload != "auto":
         raise ValueError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
     if offload is not None and not isinstance(offload, (str, list, tuple)):
         raise TypeError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
     names = _offload_names(offload, region) if isinstance(offload, (list, tuple)) else []
-    pg = to_plan_graph(region, batch_size=batch_size)
+    resolved = resolve_shapes(region, shapes, batch_size)
+    pg = to_plan_graph(region, batch_size=batch_size, shapes=resolved.shapes)
     unknown = pg.graph.get("unknown_dims", 0)
     model = offload_model or OffloadModel()
     if checkpoints == "optimal":
         result = optimal(pg, budget=budget, offload="auto" if offload == "auto" else None,
-                         model=model)
+                         model=model, max_recompute=max_recompute)
     else:
         result = _run_strategy(pg, region, checkpoints, min_checkpoint_size)
         if offload == "auto":
@@ -216,10 +225,17 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_
                 "xs or variable reads, and that no op kept in place (stateful) reads, can wait "
                 "in host memory" % ", ".join(refused))
         result = planning.with_offload(pg, result, names, model)
+    result.notes.extend(resolved.notes)
+    result.unknown_dims = unknown
     if unknown:
-        result.notes.append(
-            "%d tensor(s) have unknown dimensions, taken as %s for sizes" % (
-                unknown, "batch_size=%d" % batch_size if batch_size else "1 (pass batch_size=)"))
+        note = "%d tensor(s) still have unknown dimensions, taken as %s for sizes" % (
+            unknown, "batch_size=%d" % batch_size if batch_size else "1")
+        result.notes.append(note)
+        # Loud when nothing sized them; data-dependent shapes (tf.where) stay
+        # unknown even with hints.
+        log = logger.info if resolved.notes else logger.warning
+        log("memsave: %s; the plan may keep the wrong tensors: pass shapes= "
+            "(e.g. {input: (8, 128, 128, 3)}) or batch_size=", note)
     return result
 
 
@@ -245,16 +261,23 @@ def _run_strategy(pg, region, checkpoints, min_checkpoint_size):
 # called inside a tf.function.
 @do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
-              budget=None, batch_size=None, offload=None, swapin_ahead=1, swapin_groupby=5,
+              budget=None, max_recompute=None, batch_size=None, shapes=None, offload=None,
+              swapin_ahead=1, swapin_groupby=5,
               host_device="/device:CPU:0", host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-              device_flops=DEFAULT_DEVICE_FLOPS, name="gradients", **tf_gradients_kwargs):
+              device_flops=DEFAULT_DEVICE_FLOPS, fallback=None, name="gradients",
+              **tf_gradients_kwargs):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
     ``checkpoints`` is 'optimal', 'memory', 'speed', 'collection' (tensors
     added to the graph's 'checkpoints' collection) or a list of tensors to
     keep. With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
-    when below 1) asks for the plan that fits it with the least recompute.
-    ``batch_size`` sizes tensors whose dimensions are unknown.
+    when below 1) asks for the plan that fits it with the least recompute,
+    and ``max_recompute`` (a fraction of one forward pass's FLOPs) for the
+    lowest peak that recomputes at most that much.
+    Dimensions the graph leaves unknown are sized from ``shapes`` (``{tensor
+    or name: shape}`` for inputs), else from the shapes the same tf.function
+    had when first traced, else ``batch_size`` for the leading axis of
+    inputs; TF's shape inference carries them through the graph.
 
     ``offload`` ('auto' or a list of tensors) keeps checkpoints in host
     memory (``host_device``) between the forward and the backward pass
@@ -263,6 +286,11 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     With 'auto', 'optimal' weighs per tensor keeping, recomputing and
     offloading (``host_bandwidth`` bytes/s against ``device_flops``); other
     strategies offload every checkpoint they keep.
+
+    With ``fallback`` (the default), a named strategy whose estimated peak,
+    on fully known sizes, is not below plain backprop's returns plain
+    ``tf.gradients`` instead (logged at INFO); an explicit list of tensors
+    is always honoured.
 
     Further keyword arguments (``gate_gradients``, ``aggregation_method``,
     ``stop_gradients``, ``unconnected_gradients``,
@@ -284,11 +312,21 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
         if not isinstance(swapin_groupby, int) or swapin_groupby < 0:
             raise ValueError("swapin_groupby must be an int >= 0, got %r" % (swapin_groupby,))
         chosen = make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size,
-                           offload, _offload_model(swapin_ahead, host_bandwidth, device_flops))
+                           offload, _offload_model(swapin_ahead, host_bandwidth, device_flops),
+                           shapes=shapes, max_recompute=max_recompute)
         logger.info("%s", chosen.summary())
         kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
         if not kept:
             logger.info("memsave: no checkpoints; using plain tf.gradients")
+            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
+        if fallback is None:
+            fallback = FALLBACK_TO_PLAIN
+        if fallback and chosen.worse_than_plain() and isinstance(checkpoints, str):
+            # A named strategy is a means to save memory; an explicit list is
+            # the user's own choice and is honoured.
+            logger.info("memsave: the %s plan's estimated peak (%.1f MB) is not below plain "
+                        "backprop's (%.1f MB); using plain tf.gradients", chosen.strategy,
+                        chosen.estimated_peak_bytes / 2**20, chosen.plain_peak_bytes / 2**20)
             return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
         swap = None
         if chosen.offloaded:
@@ -358,7 +396,7 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 @do_not_convert
 def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None,
          offload=None, swapin_ahead=1, host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-         device_flops=DEFAULT_DEVICE_FLOPS):
+         device_flops=DEFAULT_DEVICE_FLOPS, shapes=None, max_recompute=None):
     """The plan a strategy would execute, without rewriting anything."""
     ys = _as_ys(ys)
     xs = _as_list(xs)
@@ -370,4 +408,5 @@ def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, b
             return Plan(checkpoints if isinstance(checkpoints, str) else "list", [],
                         notes=["none of the ys depends on the xs"])
         return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size, offload,
-                         _offload_model(swapin_ahead, host_bandwidth, device_flops))
+                         _offload_model(swapin_ahead, host_bandwidth, device_flops),
+                         shapes=shapes, max_recompute=max_recompute)

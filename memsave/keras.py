@@ -15,6 +15,11 @@ Dropout layer's mask is recomputed from the same seed tensor (the
 ``SeedGenerator`` state is read and advanced once, in the forward pass), so
 forward and backward use the same mask.
 
+Keras traces the step with an unknown batch dimension (its datasets do not
+fix one), so the batch size ``fit``/``train_on_batch`` is given (or the
+data's own) is remembered and sizes the plan, unless ``batch_size=`` or
+``shapes=`` was passed to :func:`enable`.
+
 ``run_eagerly=True`` trains with the plain tape (memsave needs a graph) and
 logs a warning once. ``jit_compile=True`` is refused with a clear error:
 XLA re-schedules and deduplicates the recomputed ops, so the memory saving
@@ -25,6 +30,7 @@ import functools
 import logging
 
 import keras
+import tensorflow as tf
 
 from memsave import tape as _tape
 
@@ -66,17 +72,80 @@ def _reset_train_function(model):
         model.train_function = None
 
 
-def enable(model, strategy="memory", **kwargs):
+def _leading_size(x):
+    """Number of samples in array-like data, else None."""
+    leaves = [v for v in tf.nest.flatten(x) if v is not None]
+    if not leaves:
+        return None
+    shape = getattr(leaves[0], "shape", None)
+    if shape is None or len(shape) == 0:
+        return None
+    return shape[0] if isinstance(shape[0], int) else None
+
+
+def data_batch_size(x, batch_size=None):
+    """The batch size Keras will train on, when the data says it; else None.
+
+    Arrays and tensors: ``batch_size`` (Keras' default 32) capped by the
+    number of samples. A ``tf.data.Dataset``: its static batch dimension.
+    Generators and ``PyDataset``: unknown.
+    """
+    if isinstance(x, tf.data.Dataset):
+        dims = [s.shape[0] for s in tf.nest.flatten(x.element_spec)
+                if getattr(s, "shape", None) is not None and s.shape.rank]
+        return dims[0] if dims and dims[0] is not None else None
+    n = _leading_size(x)
+    if n is None:
+        return None
+    return min(batch_size or 32, n) if n else None
+
+
+def _remembering_batch(model, method, batch_of):
+    """Wrap ``method`` so the batch its data gives is set before it traces."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        state = model.__dict__.get(_ATTR)
+        if state is not None:
+            state["data_batch"] = batch_of(*args, **kwargs)
+        return method(*args, **kwargs)
+    return wrapper
+
+
+def _fit_batch(x=None, y=None, batch_size=None, *args, **kwargs):
+    return data_batch_size(x, batch_size)
+
+
+def _train_on_batch_batch(x=None, *args, **kwargs):
+    # One call, one batch: all of the samples given.
+    return data_batch_size(x) if isinstance(x, tf.data.Dataset) else _leading_size(x)
+
+
+def _options(settings, state, model):
+    """The planning options, with the data's batch size unless the user sized it.
+
+    Under a tf.distribute strategy each replica traces the step for its own
+    share of the global batch.
+    """
+    options = dict(settings.options)
+    batch = state.get("data_batch")
+    if batch and "batch_size" not in options and "shapes" not in options:
+        replicas = getattr(model.distribute_strategy, "num_replicas_in_sync", 1) or 1
+        options["batch_size"] = max(1, -(-batch // replicas))
+    return options
+
+
+def enable(model, checkpoints="optimal", **kwargs):
     """Make ``model.fit`` (and ``train_on_batch``) use checkpointed gradients.
 
-    ``strategy`` is any strategy name :func:`memsave.gradients` accepts as
-    ``checkpoints`` ('memory', 'speed', ...); its planning options
+    ``checkpoints`` is any strategy :func:`memsave.gradients` accepts
+    ('optimal', the default, 'memory', 'speed', ...); its planning options
     (``min_checkpoint_size``, ``budget``, ...) may be given as keywords.
     Enabling again replaces the settings. Returns the model.
     """
+    checkpoints = _tape.renamed_strategy(checkpoints, kwargs, "memsave.keras.enable")
     _check_backend()
     _check_model(model)
-    config = _tape.Config.make(strategy, **kwargs)
+    config = _tape.Config.make(checkpoints, **kwargs)
     if model.__dict__.get("_jit_compile") is True and not getattr(model, "run_eagerly", False):
         raise ValueError(JIT_MESSAGE)   # compiled already; else checked when tracing
     state = model.__dict__.get(_ATTR)
@@ -88,16 +157,21 @@ def enable(model, strategy="memory", **kwargs):
 
     @functools.wraps(original)
     def train_step(data):
-        settings = model.__dict__[_ATTR]["config"]
+        state = model.__dict__[_ATTR]
+        settings = state["config"]
         _check_jit(model)
         with _tape.scope(settings.checkpoints, settings.min_checkpoint_size,
-                         **settings.options):
+                         **_options(settings, state, model)):
             return original(data)
 
     object.__setattr__(model, _ATTR, {"original": original, "config": config})
     object.__setattr__(model, "train_step", train_step)
+    if state is None:
+        for name, batch_of in (("fit", _fit_batch), ("train_on_batch", _train_on_batch_batch)):
+            object.__setattr__(model, name,
+                               _remembering_batch(model, getattr(model, name), batch_of))
     _reset_train_function(model)
-    logger.info("memsave.keras: %s trains with checkpoints=%r", model.name, strategy)
+    logger.info("memsave.keras: %s trains with checkpoints=%r", model.name, checkpoints)
     return model
 
 
@@ -106,7 +180,9 @@ def disable(model):
     state = model.__dict__.get(_ATTR)
     if state is None:
         return model
-    object.__delattr__(model, "train_step")
+    for name in ("train_step", "fit", "train_on_batch"):
+        if name in model.__dict__:
+            object.__delattr__(model, name)
     object.__delattr__(model, _ATTR)
     _reset_train_function(model)
     return model
@@ -120,17 +196,30 @@ class MemorySavingModel:
     """Mixin: ``class Net(memsave.keras.MemorySavingModel, keras.Model)``.
 
     Its ``train_step`` is the next class's (Keras' or your own) run under
-    memsave. Set ``memsave_strategy``, ``memsave_min_checkpoint_size`` or
-    ``memsave_options`` on the class or the instance to change the strategy.
+    memsave. Set ``memsave_checkpoints``, ``memsave_min_checkpoint_size`` or
+    ``memsave_options`` on the class or the instance to change the strategy
+    (``memsave_strategy``, the old name, is still read).
     """
 
-    memsave_strategy = "memory"
+    memsave_checkpoints = _tape.DEFAULT_CHECKPOINTS
     memsave_min_checkpoint_size = 1024
     memsave_options = {}   # further memsave.gradients options, e.g. {"budget": 0.3}
+
+    def fit(self, *args, **kwargs):
+        self._memsave_data_batch = _fit_batch(*args, **kwargs)
+        return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        self._memsave_data_batch = _train_on_batch_batch(*args, **kwargs)
+        return super().train_on_batch(*args, **kwargs)
 
     def train_step(self, data):
         _check_backend()
         _check_jit(self)
-        with _tape.scope(self.memsave_strategy, self.memsave_min_checkpoint_size,
-                         **self.memsave_options):
+        checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
+        config = _tape.Config.make(checkpoints, self.memsave_min_checkpoint_size,
+                                   **self.memsave_options)
+        state = {"data_batch": getattr(self, "_memsave_data_batch", None)}
+        with _tape.scope(config.checkpoints, config.min_checkpoint_size,
+                         **_options(config, state, self)):
             return super().train_step(data)

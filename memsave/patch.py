@@ -99,16 +99,17 @@ class _Patch:
         return False
 
 
-def patch(strategy="memory", tape=False, **kwargs):
-    """Make TensorFlow's gradient functions use memsave with ``strategy``.
+def patch(checkpoints=_tape.DEFAULT_CHECKPOINTS, tape=False, **kwargs):
+    """Make TensorFlow's gradient functions use memsave with ``checkpoints``.
 
-    ``strategy`` is anything ``memsave.gradients`` accepts as
-    ``checkpoints``; extra keyword arguments (e.g. ``min_checkpoint_size``)
-    are passed along. With ``tape=True`` ``tf.GradientTape.gradient`` is
+    ``checkpoints`` is anything ``memsave.gradients`` accepts ('optimal' by
+    default); extra keyword arguments (e.g. ``min_checkpoint_size``) are
+    passed along. With ``tape=True`` ``tf.GradientTape.gradient`` is
     replaced too (tapes take the planning options, e.g.
     ``min_checkpoint_size``). Usable as a context manager. Patching again
     only changes the strategy (and whether tapes are patched).
     """
+    strategy = _tape.renamed_strategy(checkpoints, kwargs, "memsave.patch")
     if isinstance(strategy, str) and strategy not in api.STRATEGIES:
         raise ValueError("unknown strategy %r; use one of %s" % (strategy, ", ".join(api.STRATEGIES)))
     _state["strategy"] = strategy

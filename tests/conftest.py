@@ -19,10 +19,26 @@ def _seeded():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _rewrite_even_where_it_does_not_pay(request, monkeypatch):
+    """Most tests check the rewrite itself, on graphs too small for it to pay:
+    the estimate-based fallback to plain gradients would make them check
+    plain against plain. Real-model tests, and tests marked ``fallback``,
+    run with the default users get."""
+    if request.node.get_closest_marker("real_models") or \
+            request.node.get_closest_marker("fallback"):
+        return
+    from memsave import api   # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(api, "FALLBACK_TO_PLAIN", False)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "real_models: Keras applications and keras-hub models against the plain "
         "tape and plain fit (run alone with -m real_models)")
+    config.addinivalue_line(
+        "markers", "fallback: runs with memsave's default fallback to plain gradients "
+        "(other tests turn it off to check the rewrite itself)")
     config.addinivalue_line(
         "markers", "slow: left out of `make test` to keep CI under 15 minutes; "
         "`make test-all` runs them")

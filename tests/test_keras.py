@@ -7,6 +7,7 @@ compares losses and weights. Small models use min_checkpoint_size=0 so that
 proves the rewrite ran.
 """
 
+import importlib
 import logging
 
 import numpy as np
@@ -288,7 +289,7 @@ def test_memory_saving_model_mixin(rewrites):
 
     plain, plain_losses = _fit(lambda: build(PlainNet), use=False)
     ours, our_losses = _fit(lambda: build(MixinNet), use=False)
-    assert rewrites and set(rewrites) == {"memory"}
+    assert rewrites and set(rewrites) == {"optimal"}   # the default
     assert np.max(np.abs(plain_losses - our_losses)) <= 1e-5
     assert _max_diff(plain.get_weights(), ours.get_weights()) <= 1e-5
 
@@ -344,3 +345,24 @@ def test_partial_last_batch_with_default_checkpoint_size(strategy, rewrites):
         weights.append(model.get_weights())
     assert len(rewrites) >= 2, "the partial batch's retrace did not go through memsave"
     assert _max_diff(*weights) <= 1e-5
+
+
+def test_checkpoints_is_the_parameter_and_optimal_the_default():
+    # (memsave.patch is also the function: take the module from sys.modules.)
+    patch_module = importlib.import_module("memsave.patch")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    memsave.keras.enable(model)
+    assert model.__dict__["_memsave_keras"]["config"].checkpoints == "optimal"
+    with pytest.warns(DeprecationWarning, match="checkpoints="):
+        memsave.keras.enable(model, strategy="speed")
+    assert model.__dict__["_memsave_keras"]["config"].checkpoints == "speed"
+    memsave.keras.disable(model)
+    assert "fit" not in model.__dict__ and "train_step" not in model.__dict__
+    try:
+        memsave.patch()
+        assert patch_module._state["strategy"] == "optimal"
+        with pytest.warns(DeprecationWarning, match="checkpoints="):
+            memsave.patch(strategy="memory")
+        assert patch_module._state["strategy"] == "memory"
+    finally:
+        memsave.unpatch()

@@ -155,3 +155,32 @@ def test_estimator_within_25_percent(name, build, strategy, request):
     print("\n%s %s: estimated %.1f MB, measured %.1f MB" % (
         name, strategy, estimate / 2**20, measured / 2**20))
     assert 0.75 * measured <= estimate <= 1.25 * measured
+
+
+def test_max_recompute_caps_the_recomputed_work():
+    """A cap on recomputed FLOPs picks the lowest peak under it; gradients are
+    unchanged; 0 means plain backprop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        model = models.UNet(levels=3, batch=2, size=32, channels=4, norm=True)
+        out = model.forward(model.variables())
+        loss, ws = out["ys"][0], out["xs"]
+        free = memsave.plan(loss, ws, checkpoints="optimal")
+        caps = [memsave.plan(loss, ws, checkpoints="optimal", max_recompute=c)
+                for c in (0.0, 0.3, 1.0)]
+        for cap, p in zip((0.0, 0.3, 1.0), caps):
+            assert p.recompute_fraction <= cap + 1e-9, p.summary()
+            assert p.estimated_peak_bytes >= free.estimated_peak_bytes
+        assert caps[0].kept == [] and caps[0].estimated_peak_bytes == caps[0].plain_peak_bytes
+        assert caps[2].estimated_peak_bytes <= caps[1].estimated_peak_bytes
+        grads = memsave.gradients(loss, ws, checkpoints="optimal", max_recompute=0.3)
+        plain = tf.gradients(loss, ws)
+        with pytest.raises(ValueError, match="max_recompute must be"):
+            memsave.plan(loss, ws, checkpoints="optimal", max_recompute=-1)
+        with pytest.raises(ValueError, match="needs checkpoints='optimal'"):
+            memsave.plan(loss, ws, checkpoints="memory", max_recompute=0.1)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            ours, theirs = sess.run([grads, plain])
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())

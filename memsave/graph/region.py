@@ -170,30 +170,30 @@ def num_elements(shape, unknown_dim=1):
     return n
 
 
-def op_cost(op):
+def op_cost(op, shape_of=lambda t: t.shape):
     """Rough FLOPs to recompute ``op``: exact-ish for matmul/conv, else size."""
-    out = num_elements(op.outputs[0].shape) if op.outputs else 0
+    out = num_elements(shape_of(op.outputs[0])) if op.outputs else 0
     out = out or 1
     try:
         if op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
-            a = op.inputs[0].shape
+            a = shape_of(op.inputs[0])
             adj = op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x")
             k = a[-2] if adj else a[-1]
             return 2.0 * out * (k or 1)
         if op.type.startswith("Conv") or op.type == "DepthwiseConv2dNative":
-            w = op.inputs[1].shape
+            w = shape_of(op.inputs[1])
             if w.rank is not None:
                 kernel = num_elements(w[:-1]) if op.type != "DepthwiseConv2dNative" else num_elements(w[:-2])
                 return 2.0 * out * (kernel or 1)
         if op.type == "Einsum":
-            ins = sum((num_elements(t.shape) or 1) for t in op.inputs)
+            ins = sum((num_elements(shape_of(t)) or 1) for t in op.inputs)
             return 2.0 * max(out, ins)
     except (ValueError, TypeError, IndexError):
         pass
     return float(out)
 
 
-def to_plan_graph(region, batch_size=None):
+def to_plan_graph(region, batch_size=None, shapes=None):
     """Export the region as a networkx DAG over tensor names.
 
     Nodes are tensors (region op outputs, and the xs). Edges go from each
@@ -209,7 +209,14 @@ def to_plan_graph(region, batch_size=None):
     tensors are kept anyway, so they are no candidates) and ``offloadable``
     (may wait in host memory: every backward reader is a copy). The graph
     attribute ``unknown_dims`` counts tensors whose shape was not fully known.
+    ``shapes`` (``{tensor name: TensorShape}``, see :mod:`memsave.graph.shapes`)
+    overrides static shapes that the graph leaves unknown.
     """
+    shapes = shapes or {}
+
+    def shape_of(t):
+        return shapes.get(t.name, t.shape)
+
     g = nx.DiGraph()
     saved, reads_output = set(), set()
     for op in region.order:
@@ -230,13 +237,14 @@ def to_plan_graph(region, batch_size=None):
     x_names = {x.name for x in leaf_xs}
     index = 0
     for op in region.order:
-        cost = op_cost(op)
+        cost = op_cost(op, shape_of)
         # A variable read aliases the variable's buffer: no activation memory.
         alias = op.type == "ReadVariableOp"
         for t in op.outputs:
-            n = num_elements(t.shape, batch_size or 1)
+            shape = shape_of(t)
+            n = num_elements(shape, batch_size or 1)
             g.add_node(t.name, order=index, elements=n,
-                       sized_exactly=t.shape.is_fully_defined() or bool(batch_size),
+                       sized_exactly=shape.is_fully_defined() or bool(batch_size),
                        bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
                        cost=cost, op_type=op.type, x=False, y=t.name in y_names,
                        forced=t.name in forced, saved=t.name in saved,
@@ -248,7 +256,7 @@ def to_plan_graph(region, batch_size=None):
                        offloadable=(differentiable(t) and t.name not in y_names and not alias
                                     and t.name not in read_in_place))
             index += 1
-            if not t.shape.is_fully_defined():
+            if not shape.is_fully_defined():
                 g.graph["unknown_dims"] = g.graph.get("unknown_dims", 0) + 1
             for i in op.inputs:
                 if i.op in region.ops or i.name in x_names:

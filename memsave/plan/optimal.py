@@ -178,10 +178,15 @@ def _largest_segment(prefix, cuts):
     return max(float(prefix[b] - prefix[a]) for a, b in zip(bounds, bounds[1:]))
 
 
-def optimal(graph, budget=None, offload=None, model=None):
+def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     """The plan with the lowest estimated peak, or, with ``budget`` (bytes, or a
     fraction of the plain estimate when below 1), the one that fits it with
     the least extra time. Estimates come from :func:`simulate_peak`.
+
+    ``max_recompute`` caps the recomputed FLOPs, as a fraction of one
+    forward pass (0.1: at most 10% extra forward work): among the plans
+    under the cap, the lowest peak (with ``budget`` too: the least time
+    among those that fit both).
 
     With ``offload='auto'`` every candidate is also tried with its kept
     tensors offloaded (those worth it under ``model``, or all that can be),
@@ -194,15 +199,23 @@ def optimal(graph, budget=None, offload=None, model=None):
     if offload not in (None, "auto"):
         raise ValueError("optimal() chooses offloading itself: offload must be None or "
                          "'auto', got %r" % (offload,))
+    if max_recompute is not None and (isinstance(max_recompute, bool) or not isinstance(
+            max_recompute, (int, float)) or max_recompute < 0):
+        raise ValueError("max_recompute must be a fraction of one forward pass >= 0 (0.1: at "
+                         "most 10%% extra forward FLOPs), got %r" % (max_recompute,))
     model = model or OffloadModel()
     forced = topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
     prepared = prepare(graph)
     plain = simulate_peak(graph, (), prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
+    forward = forward_flops(graph) or 1.0
+    cap = None if max_recompute is None else max_recompute * forward
     # The DP's own estimate (kept + largest segment) ranks candidates; only
     # the promising ones are simulated.
-    candidates = plans(graph, prefer_speed=limit is not None,
+    candidates = plans(graph, prefer_speed=limit is not None or cap is not None,
                        offload_model=model if offload else None)
+    if cap is not None:
+        candidates = [c for c in candidates if c[1] <= cap]
     # (The DP's estimate ignores offloading: with it, every candidate is simulated.)
     if not offload:
         if limit is None:
@@ -221,7 +234,10 @@ def optimal(graph, budget=None, offload=None, model=None):
     options = []
     for kept in kept_sets:
         everything = set(kept) | set(forced)
-        flops = recompute_flops(graph, kept)
+        # Nothing kept at all is plain backprop: nothing recomputed.
+        flops = recompute_flops(graph, kept) if everything else 0.0
+        if cap is not None and flops > cap:
+            continue
         choices = [()]
         if offload:
             movable = offloadable(graph, topological(graph, everything))
@@ -230,18 +246,28 @@ def optimal(graph, budget=None, offload=None, model=None):
         for off in dict.fromkeys(choices):
             peak = simulate_peak(graph, everything, prepared, off, prefetch=model.prefetch)
             options.append((peak, model.seconds(graph, flops, off), kept, list(off), flops))
+    if not options and limit is None:
+        # Only plain backprop recomputes nothing at all (forced tensors are
+        # kept there anyway): an empty plan.
+        return Plan("optimal", [], [], int(plain), int(plain),
+                    ["no checkpointed plan recomputes at most %.0f%% of a forward pass: "
+                     "plain backprop" % (100 * max_recompute)], recompute_fraction=0.0)
     if limit is None:
         peak, _, kept, off, flops = min(options, key=lambda p: (p[0], p[1]))
     else:
         fitting = [p for p in options if p[0] <= limit]
         if not fitting:
             raise BudgetError(
-                "no plan fits a budget of %.1f MB; the smallest estimated peak is %.1f MB "
-                "(plain: %.1f MB)%s" % (limit / 2**20, min(p[0] for p in options) / 2**20,
-                                        plain / 2**20, "" if offload else
-                                        "; offload='auto' may go lower on a GPU"))
+                "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
+                "(plain: %.1f MB)%s" % (
+                    limit / 2**20, "" if cap is None else
+                    " recomputing at most %.0f%% of a forward pass" % (100 * max_recompute),
+                    "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
+                    plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
         peak, _, kept, off, flops = min(fitting, key=lambda p: (p[1], p[0]))
     notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
+    if cap is not None:
+        notes.append("recompute capped at %.0f%% of a forward pass" % (100 * max_recompute))
     return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
-                recompute_fraction=flops / (forward_flops(graph) or 1.0),
+                recompute_fraction=flops / forward,
                 offloaded=off, host_bytes=host_bytes(graph, off))

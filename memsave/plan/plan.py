@@ -25,6 +25,12 @@ class Plan:
     recompute_fraction: float = None  # recomputed FLOPs / one forward pass, if estimated
     offloaded: list = dataclasses.field(default_factory=list)   # kept in host memory
     host_bytes: int = 0   # host memory the offloaded tensors take
+    unknown_dims: int = 0   # tensors sized with a guess for some dimension
+
+    def worse_than_plain(self):
+        """True when the estimate, made on known sizes, does not beat plain backprop."""
+        return (not self.unknown_dims and self.plain_peak_bytes > 0
+                and self.estimated_peak_bytes >= self.plain_peak_bytes)
 
     @property
     def kept(self):

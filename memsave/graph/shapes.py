@@ -1,0 +1,223 @@
+"""Concrete shapes to plan with when the graph leaves dimensions unknown.
+
+A placeholder with ``None`` axes, or Keras retracing its step with a relaxed
+batch for the last, smaller batch, leaves static shapes unknown; sized as 1,
+the plan is blind (a U-Net's levels all look the same size). Here TF's own
+shape inference runs again, on a scratch copy of the graph (a GraphDef
+import) whose data sources have concrete shapes taken from, in order:
+
+- a ``shapes`` hint (``{tensor or name: shape}``),
+- the shapes the same ``tf.function`` had when it was first traced (what
+  Keras' relaxed retrace would have been sized as),
+- ``batch_size``, for the leading axis of sources.
+
+The copy is only read for its shapes; it never runs. Dimensions still
+unknown afterwards are sized by the caller's old rule, and said so.
+"""
+
+import collections
+import logging
+
+from tensorflow.python.framework import importer
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.framework import tensor as tf_tensor
+from tensorflow.python.framework import tensor_shape
+from tensorflow.python.ops import array_ops
+
+logger = logging.getLogger("memsave")
+
+# Ops that bring data into a graph: the only ones whose shapes a hint sets.
+SOURCE_TYPES = frozenset({
+    "Placeholder", "PlaceholderWithDefault", "IteratorGetNext", "IteratorGetNextSync",
+    "OptionalGetValue",
+})
+
+# Shapes seen at earlier traces, per (function, xs, source tensor); bounded.
+_FIRST_SEEN = collections.OrderedDict()
+_FIRST_SEEN_LIMIT = 4096
+
+
+Resolved = collections.namedtuple("Resolved", "shapes notes")
+
+
+def _ancestors(region):
+    """The region's ops and every op they depend on (data and control)."""
+    seen, stack = set(), list(region.ops)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(i.op for i in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def _sources(ancestors):
+    """Data-source tensors among ``ancestors``, by name (resources excluded)."""
+    found = {}
+    for op in ancestors:
+        if op.type in SOURCE_TYPES:
+            for t in op.outputs:
+                if t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_bool or \
+                        t.dtype.is_complex:
+                    found[t.name] = t
+    return found
+
+
+def _trace_key(region):
+    """Identifies one traced function across retraces; None outside tf.function.
+
+    A retrace of the same Python function gets a new FuncGraph of the same
+    name with the same variable captures, so the name plus the names of the
+    xs tells one model's step from another's.
+    """
+    graph = region.graph
+    name = getattr(graph, "name", None)
+    if not name or not hasattr(graph, "captures"):
+        return None
+    return (name, tuple(sorted(x.name for x in region.leaf_xs)))
+
+
+def _as_shape(value, what):
+    try:
+        shape = tensor_shape.as_shape(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError("shapes: %s must map to a shape (a tuple of ints), got %r (%s)"
+                        % (what, value, e)) from None
+    return shape
+
+
+def _hint_names(graph, shapes):
+    """``{tensor name: TensorShape}`` from a user's ``shapes`` hint."""
+    if shapes is None:
+        return {}
+    if not isinstance(shapes, dict):
+        raise TypeError("shapes must be a dict {tensor or tensor name: shape}, got %r"
+                        % (shapes,))
+    out = {}
+    for key, value in shapes.items():
+        if isinstance(key, str):
+            try:
+                t = graph.get_tensor_by_name(key)
+            except (KeyError, ValueError) as e:
+                raise ValueError("shapes: no tensor %r in the graph (%s)" % (key, e)) from None
+        elif isinstance(key, tf_tensor.Tensor) and not isinstance(key, tf_ops.EagerTensor):
+            t = key
+        else:
+            raise TypeError("shapes: keys must be graph tensors or tensor names, got %r"
+                            % (key,))
+        if t.graph is not graph:
+            raise ValueError("shapes: %s is in another graph than ys" % t.name)
+        shape = _as_shape(value, t.name)
+        if not shape.is_compatible_with(t.shape):
+            raise ValueError("shapes: %s has static shape %s, incompatible with the hint %s"
+                             % (t.name, t.shape, shape))
+        out[t.name] = t.shape.merge_with(shape)
+    return out
+
+
+def _source_hints(region, ancestors, shapes, batch_size):
+    """Concrete shapes for the region's data sources, and what was assumed."""
+    hints = _hint_names(region.graph, shapes)
+    notes = []
+    if hints:
+        notes.append("sizes from shapes= for %s" % ", ".join(
+            "%s %s" % (n, s) for n, s in sorted(hints.items())))
+    sources = _sources(ancestors)
+    key = _trace_key(region)
+    from_trace, from_batch = [], []
+    for name, t in sorted(sources.items()):
+        if key is not None and t.shape.is_fully_defined():
+            _remember((key, name), t.shape)
+        if name in hints or t.shape.is_fully_defined():
+            continue
+        seen = _FIRST_SEEN.get((key, name)) if key is not None else None
+        if seen is not None and seen.is_compatible_with(t.shape):
+            hints[name] = seen
+            from_trace.append("%s %s" % (name, seen))
+            continue
+        if batch_size and t.shape.rank and t.shape[0] is None:
+            hints[name] = tensor_shape.TensorShape([batch_size]).concatenate(t.shape[1:])
+            from_batch.append(name)
+    if from_trace:
+        notes.append("sizes from the first trace of %s: %s" % (key[0], ", ".join(from_trace)))
+    if from_batch:
+        notes.append("batch_size=%d for the leading axis of %s" % (batch_size,
+                                                                   ", ".join(from_batch)))
+    return hints, notes
+
+
+def _remember(key, shape):
+    if key in _FIRST_SEEN:
+        return
+    _FIRST_SEEN[key] = shape
+    while len(_FIRST_SEEN) > _FIRST_SEEN_LIMIT:
+        _FIRST_SEEN.popitem(last=False)
+
+
+def _infer(region, ancestors, hints):
+    """Static shapes of the region's tensors with ``hints`` set on their sources.
+
+    The ancestors of the region are imported into a scratch graph, with each
+    hinted tensor and each variable read of known shape (a resource's shape
+    does not survive the export) replaced by a placeholder of that shape;
+    the import runs TF's shape inference.
+    """
+    graph = region.graph
+    keep = {op.name for op in ancestors}
+    graph_def = graph.as_graph_def(add_shapes=False)
+    nodes = [n for n in graph_def.node if n.name in keep]
+    del graph_def.node[:]
+    graph_def.node.extend(nodes)
+    fixed = dict(hints)
+    for op in region.ops:
+        for i in op.inputs:
+            if i.op.type == "ReadVariableOp" and i.shape.is_fully_defined():
+                fixed.setdefault(i.name, i.shape)
+    present = {n.name for n in graph_def.node}
+    fixed = {n: s for n, s in fixed.items() if n.rsplit(":", 1)[0] in present}
+    scratch = tf_ops.Graph()
+    with scratch.as_default():
+        input_map = {}
+        for i, (name, shape) in enumerate(sorted(fixed.items())):
+            dtype = graph.get_tensor_by_name(name).dtype
+            input_map[name] = array_ops.placeholder(dtype, shape, name="memsave_hint_%d" % i)
+        importer.import_graph_def(graph_def, input_map=input_map, name="copy")
+    out = {}
+    for op in region.ops:
+        for t in op.outputs:
+            if t.shape.is_fully_defined():
+                continue
+            try:
+                inferred = scratch.get_tensor_by_name("copy/" + t.name).shape
+            except (KeyError, ValueError):
+                continue
+            if inferred.is_compatible_with(t.shape):
+                out[t.name] = t.shape.merge_with(inferred)
+    return out
+
+
+def resolve(region, shapes=None, batch_size=None):
+    """``Resolved(shapes, notes)``: better static shapes for region tensors.
+
+    ``shapes`` maps tensor names to shapes at least as defined as the
+    graph's; it is empty when the graph knows every shape or nothing could
+    be learned. ``notes`` say where the sizes came from.
+    """
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError("batch_size must be an int >= 1, got %r" % (batch_size,))
+    unknown = any(not t.shape.is_fully_defined() for op in region.ops for t in op.outputs)
+    ancestors = _ancestors(region)
+    hints, notes = _source_hints(region, ancestors, shapes, batch_size)
+    if not unknown or not hints:
+        return Resolved({}, notes if unknown else [])
+    try:
+        inferred = _infer(region, ancestors, hints)
+    except Exception as e:   # pylint: disable=broad-except
+        # Only sizes are lost: the plan is then sized by the old rule, and says so.
+        logger.info("memsave: could not infer shapes from the hints (%s: %s)",
+                    type(e).__name__, e)
+        return Resolved({}, notes + ["shape inference from the hints failed (%s)"
+                                     % type(e).__name__])
+    return Resolved(inferred, notes)

@@ -1,0 +1,221 @@
+"""Planning on unknown shapes: hints, first-trace shapes, Keras' batch, and the
+fallback to plain gradients when a plan would not save memory."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.keras import data_batch_size
+from memsave.profile import peak_memory
+
+B, S = 8, 128   # the U-Net of the original library's issue #11: batch 8 at 128x128
+
+
+def _unet(x, rng, levels=4, channels=32):
+    """conv-BN-ReLU U-Net whose upsampling follows the skips' dynamic shapes."""
+    weights = []
+
+    def conv(h, cout, k=3):
+        cin = h.shape[-1]
+        w = tf.Variable((rng.randn(k, k, cin, cout) / np.sqrt(k * k * cin)).astype(np.float32))
+        weights.append(w)
+        return tf.nn.conv2d(h, w, 1, "SAME")
+
+    def block(h, cout):
+        h = conv(h, cout)
+        scale, offset = tf.Variable(tf.ones([cout])), tf.Variable(tf.zeros([cout]))
+        weights.extend([scale, offset])
+        h, _, _ = tf.compat.v1.nn.fused_batch_norm(h, scale, offset, is_training=True)
+        return tf.nn.relu(h)
+
+    h, skips = x, []
+    for level in range(levels):
+        h = block(block(h, channels * 2 ** level), channels * 2 ** level)
+        skips.append(h)
+        h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+    h = block(h, channels * 2 ** levels)
+    for skip in reversed(skips):
+        h = tf.image.resize(h, tf.shape(skip)[1:3], method="nearest")
+        h = tf.concat([h, skip], -1)
+        h = block(block(h, skip.shape[-1]), skip.shape[-1])
+    return tf.reduce_mean(tf.square(conv(h, 1, 1))), weights
+
+
+def _unet_graph(shape):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, shape)
+        loss, weights = _unet(x, np.random.RandomState(0))
+    return graph, x, loss, weights
+
+
+def test_shapes_hint_sizes_the_plan_as_known_shapes_would():
+    graph, x, loss, ws = _unet_graph([None, None, None, 3])
+    with graph.as_default():
+        blind = memsave.plan(loss, ws)
+        hinted = memsave.plan(loss, ws, shapes={x: (B, S, S, 3)})
+        by_name = memsave.plan(loss, ws, shapes={x.name: [B, S, S, 3]})
+    graph, x, loss, ws = _unet_graph([B, S, S, 3])
+    with graph.as_default():
+        known = memsave.plan(loss, ws)
+    assert any("unknown dimensions" in n for n in blind.notes)
+    assert any("shapes=" in n for n in hinted.notes)
+    # Batch norm's reserve-space outputs have no static shape even then; the
+    # activations all do, so the estimates match the known-shape graph's.
+    assert hinted.plain_peak_bytes == known.plain_peak_bytes
+    assert hinted.checkpoints == known.checkpoints == by_name.checkpoints
+    assert blind.plain_peak_bytes < known.plain_peak_bytes / 1000
+
+
+def test_unet_with_unknown_height_and_width():
+    """Issue #11 of the original library: 'optimal' >= 40% below plain."""
+    data = np.random.RandomState(1).randn(B, S, S, 3).astype(np.float32)
+
+    def measure(strategy):
+        graph, x, loss, ws = _unet_graph([None, None, None, 3])
+        with graph.as_default():
+            if strategy == "plain":
+                grads = tf.gradients(loss, ws)
+            else:
+                grads = memsave.gradients(loss, ws, checkpoints=strategy,
+                                          shapes={x: data.shape})
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                return peak_memory(lambda: sess.run(grads, {x: data}))
+
+    plain, ours = measure("plain"), measure("optimal")
+    print("\nU-Net, unknown batch/H/W, batch 8 at 128x128: plain %.1f MB, optimal with "
+          "shapes= %.1f MB (%.0f%% lower)" % (plain / 2**20, ours / 2**20,
+                                              100 * (1 - ours / plain)))
+    assert ours <= 0.6 * plain
+
+
+def test_batch_size_sets_the_leading_axis_only():
+    def graph_with(shape):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, shape)
+            ws = [tf.Variable(tf.ones([16, 16])) for _ in range(6)]
+            h = x
+            for w in ws:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h)
+        return graph, loss, ws
+
+    graph, loss, ws = graph_with([None, 16])
+    with graph.as_default():
+        sized = memsave.plan(loss, ws, checkpoints="memory", min_checkpoint_size=0,
+                             batch_size=64)
+    graph, loss, ws = graph_with([64, 16])
+    with graph.as_default():
+        known = memsave.plan(loss, ws, checkpoints="memory", min_checkpoint_size=0)
+    assert sized.plain_peak_bytes == known.plain_peak_bytes
+    assert sized.unknown_dims == 0
+    assert any("batch_size=64 for the leading axis" in n for n in sized.notes)
+
+
+def _conv_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((32, 32, 3))]
+        + [keras.layers.Conv2D(16, 3, padding="same", activation="relu") for _ in range(6)]
+        + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
+
+
+def test_relaxed_retrace_plans_on_the_first_trace_shapes(caplog):
+    """tf.function generalizes the batch axis on the second shape it sees; the
+    plan of that trace is sized from the first one, and measures the same."""
+    model = _conv_model()
+    full = np.random.RandomState(0).randn(32, 32, 32, 3).astype(np.float32)
+
+    @tf.function(reduce_retracing=True)
+    def step(x):
+        with memsave.GradientTape(checkpoints="optimal") as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        step(full)
+        step(full[:5])
+    assert any("sizes from the first trace of step" in r.getMessage() for r in caplog.records)
+    assert not any(r.levelno >= logging.WARNING and "unknown dimensions" in r.getMessage()
+                   for r in caplog.records)
+    first = step.get_concrete_function(tf.TensorSpec(full.shape))
+    relaxed = step.get_concrete_function(tf.TensorSpec((None,) + full.shape[1:]))
+    assert first is not relaxed
+    data = tf.constant(full)
+    for a, b in zip(first(data), relaxed(data)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    at_first, at_relaxed = peak_memory(first, data), peak_memory(relaxed, data)
+    assert at_relaxed <= 1.1 * at_first, (at_first, at_relaxed)
+
+
+def test_data_batch_size():
+    x = np.zeros((300, 4), "float32")
+    assert data_batch_size(x, 128) == 128
+    assert data_batch_size(x) == 32   # Keras' default
+    assert data_batch_size(x[:10], 128) == 10
+    assert data_batch_size({"a": x, "b": x}, 64) == 64
+    assert data_batch_size(tf.data.Dataset.from_tensor_slices(x).batch(16)) is None
+    assert data_batch_size(tf.data.Dataset.from_tensor_slices(x).batch(
+        16, drop_remainder=True)) == 16
+    assert data_batch_size(iter([x])) is None
+
+
+def test_keras_fit_plans_on_the_batch_it_was_given(caplog):
+    model = _conv_model()
+    model.compile("sgd", "mse", jit_compile=False)
+    memsave.keras.enable(model)
+    x = np.random.RandomState(0).randn(40, 32, 32, 3).astype(np.float32)
+    y = np.zeros((40, 1), "float32")
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "batch_size=16 for the leading axis" in text, text
+    assert "plan (optimal)" in text
+
+
+@pytest.mark.fallback
+def test_fallback_to_plain_when_the_plan_does_not_pay(caplog):
+    """A chain of two wide layers: nothing to recompute that would lower the
+    estimate; a named strategy then uses plain tf.gradients, a list is kept."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.ones((4, 64), "float32"))
+        w1, w2 = tf.Variable(tf.ones([64, 64])), tf.Variable(tf.ones([64, 1]))
+        h = tf.tanh(tf.matmul(x, w1))
+        loss = tf.reduce_sum(tf.matmul(h, w2))
+        chosen = memsave.plan(loss, [w1, w2], checkpoints="speed")
+        assert chosen.worse_than_plain(), chosen.summary()
+        before = len(graph.get_operations())
+        with caplog.at_level(logging.INFO, logger="memsave"):
+            grads = memsave.gradients(loss, [w1, w2], checkpoints="speed")
+        plain_ops = len(graph.get_operations()) - before
+        assert "not below plain" in caplog.text
+        assert not any("memsave" in op.name for op in graph.get_operations()[before:]
+                       if op.type != "NoOp"), "rewrote although the plan does not pay"
+        kept = memsave.gradients(loss, [w1, w2], checkpoints=[h], name="kept")
+        assert len(graph.get_operations()) - before - plain_ops > plain_ops
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b, c = sess.run([grads, tf.gradients(loss, [w1, w2]), kept])
+    for p, q, r in zip(a, b, c):
+        np.testing.assert_allclose(p, q)
+        np.testing.assert_allclose(r, q)
+
+
+def test_bad_shape_hints():
+    graph, x, loss, ws = _unet_graph([None, None, None, 3])
+    with graph.as_default():
+        with pytest.raises(TypeError, match="shapes must be a dict"):
+            memsave.plan(loss, ws, shapes=[(8, 128, 128, 3)])
+        with pytest.raises(ValueError, match="incompatible"):
+            memsave.plan(loss, ws, shapes={x: (8, 128, 128, 4)})
+        with pytest.raises(ValueError, match="no tensor"):
+            memsave.plan(loss, ws, shapes={"nope:0": (8, 128, 128, 3)})
+        with pytest.raises(ValueError, match="batch_size must be an int"):
+            memsave.plan(loss, ws, batch_size=0)
