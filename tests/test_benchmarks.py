@@ -34,8 +34,22 @@ def test_plan_speed_benchmark_tiny(tmp_path):
     assert {r["strategy"] for r in rows} == {"memory", "optimal"}
 
 
+@pytest.mark.slow   # 30 s; test_optimal measures the same U-Nets
 @pytest.mark.parametrize("script", ["examples/unet.py"])
 def test_examples_run(script):
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| 'optimal' |" in out.stdout
+
+
+@pytest.mark.slow   # about a minute: a keras-hub GPT2 traced seven times
+def test_zoo_benchmark_quick(tmp_path):
+    stdout = _run(["benchmarks.zoo", "--quick", "--models", "GPT2", "--pairs", "1"], tmp_path)
+    data = json.loads((tmp_path / "zoo_quick.json").read_text())
+    configs = {r["config"] for r in data["summary"]}
+    assert {"plain", "plain again", "optimal (default)", "optimal, budget=0.5",
+            "optimal, max_recompute=0.1"} <= configs
+    for row in data["summary"]:
+        assert row.get("error") or row["peak_median"] > 0
+    assert (tmp_path / "zoo_quick.png").stat().st_size > 10_000
+    assert "| GPT2" in stdout
