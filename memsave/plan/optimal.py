@@ -225,11 +225,16 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     kept_sets = [kept for _, _, kept in candidates] + [[]]
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
+    # pylint: disable=import-outside-toplevel
+    from memsave.plan.strategies import memory, speed_candidates
     try:
-        from memsave.plan.strategies import memory  # pylint: disable=import-outside-toplevel
         kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
     except ValueError:
         pass
+    if cap is not None:
+        # Keeping every matmul/conv output and recomputing only the cheap ops
+        # between them (selective recomputation) is what a tight cap allows.
+        kept_sets.append(speed_candidates(graph))
 
     options = []
     for kept in kept_sets:

@@ -84,14 +84,19 @@ def explicit(graph, names, strategy="list"):
     return _make_plan(graph, strategy, chosen)
 
 
+def speed_candidates(graph, op_types=SPEED_OP_TYPES):
+    """Candidate tensors produced by expensive ops, in graph order."""
+    return [n for n, d in graph.nodes(data=True)
+            if d.get("candidate") and d.get("op_type") in op_types]
+
+
 def speed(graph, op_types=SPEED_OP_TYPES):
     """Keep the outputs of expensive ops (matmuls, convolutions, einsums).
 
     Backprop then recomputes only cheap elementwise work, so the step time
     barely rises; memory drops less than with 'memory'.
     """
-    chosen = [n for n, d in graph.nodes(data=True)
-              if d.get("candidate") and d.get("op_type") in op_types]
+    chosen = speed_candidates(graph, op_types)
     notes = [] if chosen else ["no matmul/conv/einsum outputs between xs and ys"]
     return _make_plan(graph, "speed", chosen, notes)
 

@@ -1,0 +1,248 @@
+"""Model zoo: plain vs each strategy, a budget and a recompute cap, on real models.
+
+Run ``python -m benchmarks.zoo`` (``--models ResNet50,GPT2`` for a subset,
+``--processes 3`` by default, ``--quick`` for small sizes and one process).
+Each model runs in ``--processes`` child processes (plain TF's own peak
+varies 10-30% between processes, so peaks are min / median / max over
+them). In a child, one training step (forward, loss, gradients of every
+trainable weight, ``memsave.GradientTape`` inside ``tf.function``, float32)
+is traced per configuration:
+
+* peak: ``memsave.profile.peak_memory`` (allocator peak above the pre-step
+  baseline; BFC allocator, one inter-op thread);
+* build: seconds of the first call (trace, plan and rewrite) minus one
+  step;
+* step-time ratio: the configuration's step against plain's, alternating
+  pairs, median ratio; a second plain function gives the plain-vs-plain
+  row (the noise floor).
+
+Sizes are chosen so that activations outweigh weights (``SIZES``). Writes
+``benchmarks/results/zoo.{json,md}`` and ``zoo.png`` (peak against time per
+model: the Pareto front).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+MIB = 2 ** 20
+
+# (label, checkpoints, options); plain first.
+CONFIGS = (
+    ("plain", None, {}),
+    ("plain again", None, {}),
+    ("optimal (default)", "optimal", {}),
+    ("memory", "memory", {}),
+    ("speed", "speed", {}),
+    ("optimal, budget=0.5", "optimal", {"budget": 0.5}),
+    ("optimal, max_recompute=0.1", "optimal", {"max_recompute": 0.1}),
+)
+# (batch, image side) per model: activations outweigh weights.
+SIZES = {"ResNet50": (8, 128), "DenseNet121": (8, 128), "MobileNetV2": (16, 128),
+         "EfficientNetB0": (8, 128), "ConvNeXtTiny": (8, 128), "GPT2": (8, None),
+         "BERT": (8, None)}
+QUICK_SIZES = {name: (max(2, b // 4), s and s // 2) for name, (b, s) in SIZES.items()}
+MODELS = tuple(SIZES)
+
+
+def _build(name, batch, size):
+    import keras  # pylint: disable=import-outside-toplevel
+    from benchmarks.zoo_models import APPLICATIONS, build  # pylint: disable=C0415
+    if name in APPLICATIONS:
+        return build(name, batch, dtype="float32", size=size)
+    # The transformers at the issue's size: 4 layers, hidden 256, 128 tokens.
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    rng = np.random.RandomState(0)
+    seq = 128
+    config = dict(vocabulary_size=1000, num_layers=4, num_heads=4, hidden_dim=256,
+                  intermediate_dim=1024, max_sequence_length=seq, dropout=0.0)
+    ids = rng.randint(0, 1000, (batch, seq)).astype("int32")
+    tokens, mask = keras.Input((seq,), dtype="int32"), keras.Input((seq,), dtype="int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if name == "GPT2":
+        backbone = keras_hub.models.GPT2Backbone(**config)
+        hidden = backbone({"token_ids": tokens, "padding_mask": mask})
+        model = keras.Model([tokens, mask], backbone.token_embedding(hidden, reverse=True))
+        return model, [ids, np.ones_like(ids)], np.roll(ids, -1, axis=1), loss
+    backbone = keras_hub.models.BertBackbone(**config)
+    segments = keras.Input((seq,), dtype="int32")
+    out = backbone({"token_ids": tokens, "segment_ids": segments, "padding_mask": mask})
+    model = keras.Model([tokens, segments, mask], keras.layers.Dense(3)(out["pooled_output"]))
+    return model, [ids, np.zeros_like(ids), np.ones_like(ids)], rng.randint(0, 3, batch), loss
+
+
+def child(name, quick, pairs):
+    """One model's rows in this process (JSON on stdout)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import memsave  # pylint: disable=import-outside-toplevel
+    from memsave.profile import peak_memory  # pylint: disable=import-outside-toplevel
+
+    batch, size = (QUICK_SIZES if quick else SIZES)[name]
+    model, x, y, loss_fn = _build(name, batch, size)
+    inputs = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
+    labels = tf.constant(y)
+    weights = model.trainable_variables
+
+    def step_for(checkpoints, options):
+        @tf.function
+        def step():
+            tape = (tf.GradientTape() if checkpoints is None
+                    else memsave.GradientTape(checkpoints=checkpoints, **options))
+            with tape:
+                loss = loss_fn(labels, model(inputs, training=True))
+            return [g for g in tape.gradient(loss, weights) if g is not None]
+        return step
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    rows, steps = [], {}
+    for label, checkpoints, options in CONFIGS:
+        step = step_for(checkpoints, options)
+        try:
+            first = timed(step)
+        except (memsave.NoBottleneckError, ValueError) as e:
+            rows.append(dict(model=name, config=label, error=str(e).split("\n")[0][:200]))
+            continue
+        once = timed(step)
+        steps[label] = step
+        rows.append(dict(model=name, config=label, batch=batch, size=size,
+                         build_s=max(0.0, first - once), peak_mib=peak_memory(step) / MIB))
+    plain = steps["plain"]
+    for row in rows:
+        if row["config"] not in steps or row["config"] == "plain":
+            continue
+        ratios = []
+        for _ in range(pairs):
+            a = timed(plain)
+            b = timed(steps[row["config"]])
+            ratios.append(b / a)
+        row["time_ratio"] = statistics.median(ratios)
+    return rows
+
+
+def _run_child(name, quick, pairs):
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.zoo", "--child", name, "--pairs", str(pairs)]
+        + (["--quick"] if quick else []),
+        capture_output=True, text=True, check=False,
+        cwd=pathlib.Path(__file__).resolve().parent.parent)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError("%s failed:\n%s" % (name, out.stderr[-3000:]))
+    return json.loads(lines[-1])["rows"]
+
+
+def _summary(runs):
+    """Per (model, config): min/median/max of peaks, median time ratio, build."""
+    table = {}
+    for rows in runs:
+        for row in rows:
+            table.setdefault((row["model"], row["config"]), []).append(row)
+    out = []
+    for (model, config), rows in table.items():
+        ok = [r for r in rows if "peak_mib" in r]
+        if not ok:
+            out.append(dict(model=model, config=config, error=rows[0].get("error")))
+            continue
+        peaks = sorted(r["peak_mib"] for r in ok)
+        ratios = [r["time_ratio"] for r in ok if "time_ratio" in r]
+        out.append(dict(model=model, config=config, batch=ok[0]["batch"], size=ok[0]["size"],
+                        peak_min=peaks[0], peak_median=statistics.median(peaks),
+                        peak_max=peaks[-1], processes=len(ok),
+                        time_ratio=statistics.median(ratios) if ratios else 1.0,
+                        build_s=statistics.median(r["build_s"] for r in ok)))
+    return out
+
+
+def markdown(summary, machine):
+    lines = ["Model zoo, one training step (float32, memsave.GradientTape in tf.function), "
+             "%s. Peak: MiB above the pre-step baseline, min / median / max over processes; "
+             "'vs plain': median against plain's median; time: median of alternating pairs "
+             "against plain (the 'plain again' row is the noise floor); build: trace, plan "
+             "and rewrite, seconds." % machine, "",
+             "| model | config | peak MiB | vs plain | step time vs plain | build s |",
+             "|---|---|---|---:|---:|---:|"]
+    plain = {r["model"]: r["peak_median"] for r in summary if r["config"] == "plain"}
+    for r in summary:
+        if "error" in r:
+            lines.append("| %s | %s | raises: %s | | | |" % (r["model"], r["config"], r["error"]))
+            continue
+        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f |" % (
+            r["model"], r["batch"], ", %dpx" % r["size"] if r["size"] else "", r["config"],
+            r["peak_min"], r["peak_median"], r["peak_max"],
+            100.0 * r["peak_median"] / plain[r["model"]], r["time_ratio"], r["build_s"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary, path):
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    models = list(dict.fromkeys(r["model"] for r in summary))
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in summary if r["model"] == model and "peak_median" in r]
+        plain = next(r["peak_median"] for r in rows if r["config"] == "plain")
+        for r in rows:
+            ax.errorbar(r["time_ratio"], r["peak_median"] / plain,
+                        yerr=[[(r["peak_median"] - r["peak_min"]) / plain],
+                              [(r["peak_max"] - r["peak_median"]) / plain]], fmt="o")
+            ax.annotate(r["config"], (r["time_ratio"], r["peak_median"] / plain), fontsize=6)
+        ax.set_title(model)
+        ax.set_xlabel("step time / plain")
+        ax.set_ylabel("peak / plain")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5, help="alternating timing pairs")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one process")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps({"rows": child(args.child, args.quick, args.pairs)}))
+        return 0
+    from benchmarks.models import machine_info  # pylint: disable=import-outside-toplevel
+    processes = 1 if args.quick else args.processes
+    runs = []
+    for name in args.models.split(","):
+        for i in range(processes):
+            print("%s, process %d/%d" % (name, i + 1, processes), file=sys.stderr, flush=True)
+            runs.append(_run_child(name, args.quick, args.pairs))
+    summary = _summary(runs)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    stem = "zoo_quick" if args.quick else "zoo"
+    (out / (stem + ".json")).write_text(json.dumps(
+        {"machine": machine, "runs": runs, "summary": summary}, indent=1))
+    text = markdown(summary, "CPU (%s, %d cores), TensorFlow %s" % (
+        machine["processor"], machine["cpus"], machine["tf_version"]))
+    (out / (stem + ".md")).write_text(text)
+    plot(summary, out / (stem + ".png"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
