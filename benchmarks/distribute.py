@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -113,24 +112,6 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
-def machine_info():
-    cpu = platform.processor()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        from importlib.metadata import version  # pylint: disable=import-outside-toplevel
-        tf_version = version("tensorflow-cpu")
-    except Exception:  # pylint: disable=broad-except
-        tf_version = "?"
-    return dict(processor=cpu, cpus=os.cpu_count(), python=platform.python_version(),
-                tf_version=tf_version, load_average=[round(x, 2) for x in os.getloadavg()])
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="launches per configuration")
@@ -142,6 +123,7 @@ def main(argv=None):
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    from benchmarks.models import machine_info  # pylint: disable=import-outside-toplevel
     meta = machine_info()
     meta.update(workers=args.workers, steps=args.steps,
                 threads=max(1, (os.cpu_count() or 1) // args.workers))

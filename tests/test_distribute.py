@@ -11,11 +11,11 @@ custom loop (or Keras ``fit``) with ``tf.GradientTape``; the weights after a
 few steps must agree to 1e-5 of the largest entry.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +25,17 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multi_worker.py"
+
+
+def _load_launcher():
+    """The example's launcher helpers (free ports, TF_CONFIG); it imports no TF."""
+    spec = importlib.util.spec_from_file_location("multi_worker_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_LAUNCHER = _load_launcher()
 TOLERANCE = 1e-5
 RESULT = "RESULT "
 
@@ -78,19 +89,6 @@ def _result_of(code, timeout, env=None):
     return _result(out, err, returncode)
 
 
-def _free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _workers(code, n, timeout):
     """Run ``code`` as ``n`` local MultiWorkerMirroredStrategy workers; their results.
 
@@ -98,14 +96,12 @@ def _workers(code, n, timeout):
     127.0.0.1 ports and its own new process group; every group is killed at
     the end, which comes at once when a worker fails or the time runs out.
     """
-    ports = _free_ports(n)
-    cluster = ["127.0.0.1:%d" % p for p in ports]
+    ports = _LAUNCHER.free_ports(n)
     procs, logs = [], []
     with tempfile.TemporaryDirectory(prefix="memsave_test_workers_") as tmp:
         try:
             for i in range(n):
-                config = json.dumps({"cluster": {"worker": cluster},
-                                     "task": {"type": "worker", "index": i}})
+                config = _LAUNCHER.tf_config(ports, i)
                 log = open(pathlib.Path(tmp) / ("w%d.log" % i), "w+")  # pylint: disable=consider-using-with
                 logs.append(log)
                 procs.append(subprocess.Popen(  # pylint: disable=consider-using-with
@@ -141,6 +137,23 @@ def _workers(code, n, timeout):
 # ---------------------------------------------------------------------------
 # MirroredStrategy: one process, logical CPUs as devices.
 
+# Child-process code: counts memsave.gradients calls (each logs its plan).
+_PLAN_COUNTER = r'''
+class Plans(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.n = 0
+
+    def emit(self, record):
+        if record.getMessage().startswith("memsave plan ("):
+            self.n += 1
+
+
+plans = Plans()
+logging.getLogger("memsave").setLevel(logging.INFO)
+logging.getLogger("memsave").addHandler(plans)
+'''
+
 _MIRRORED_LOOP = r'''
 import json, logging
 import numpy as np
@@ -155,22 +168,7 @@ from tensorflow.python.eager import context
 import memsave
 from benchmarks.models import SIZES, build_resnet
 
-
-class Plans(logging.Handler):
-    """Counts memsave.gradients calls (each logs its plan at INFO)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.n = 0
-
-    def emit(self, record):
-        if record.getMessage().startswith("memsave plan ("):
-            self.n += 1
-
-
-plans = Plans()
-logging.getLogger("memsave").setLevel(logging.INFO)
-logging.getLogger("memsave").addHandler(plans)
+''' + _PLAN_COUNTER + r'''
 
 DEVICES = ["/job:localhost/replica:0/task:0/device:CPU:1",
            "/job:localhost/replica:0/task:0/device:CPU:2"]
@@ -315,20 +313,7 @@ import memsave.keras
 # would differ by summation order alone.
 keras.config.set_floatx("float64")
 
-
-class Plans(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.n = 0
-
-    def emit(self, record):
-        if record.getMessage().startswith("memsave plan ("):
-            self.n += 1
-
-
-plans = Plans()
-logging.getLogger("memsave").setLevel(logging.INFO)
-logging.getLogger("memsave").addHandler(plans)
+''' + _PLAN_COUNTER + r'''
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.RandomState(0)
 x = rng.randn(32, 8, 8, 3)

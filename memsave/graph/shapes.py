@@ -24,6 +24,8 @@ from tensorflow.python.framework import tensor as tf_tensor
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 
+from memsave.graph.walk import backward_ops
+
 logger = logging.getLogger("memsave")
 
 # Ops that bring data into a graph: the only ones whose shapes a hint sets.
@@ -38,19 +40,6 @@ _FIRST_SEEN_LIMIT = 4096
 
 
 Resolved = collections.namedtuple("Resolved", "shapes notes")
-
-
-def _ancestors(region):
-    """The region's ops and every op they depend on (data and control)."""
-    seen, stack = set(), list(region.ops)
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(i.op for i in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
 
 
 def _sources(ancestors):
@@ -208,7 +197,7 @@ def resolve(region, shapes=None, batch_size=None):
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError("batch_size must be an int >= 1, got %r" % (batch_size,))
     unknown = any(not t.shape.is_fully_defined() for op in region.ops for t in op.outputs)
-    ancestors = _ancestors(region)
+    ancestors = backward_ops(region.ops, control=True)
     hints, notes = _source_hints(region, ancestors, shapes, batch_size)
     if not unknown or not hints:
         return Resolved({}, notes if unknown else [])
