@@ -14,7 +14,7 @@ import time
 import networkx as nx
 import numpy as np
 
-from memsave.plan import memory, optimal
+from memsave.planning import memory, optimal
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MB = 2**20

@@ -1,32 +1,52 @@
 """memsave: gradient checkpointing for TensorFlow 2 graphs.
 
-Importing memsave changes nothing: no patching, no global settings.
+Importing memsave changes nothing: no patching, no global settings, and no
+TensorFlow until a name that needs it is used (``memsave.planning``, the
+planners, and ``memsave.errors`` never load it).
 """
 
+import importlib
 import logging
 
-from memsave.api import (GradientMismatchError, gradients, gradients_collection,
-                         gradients_memory, gradients_speed, plan)
-from memsave.graph.region import V1ControlFlowError
-from memsave.patch import patch, unpatch
-from memsave.plan import BudgetError, NoBottleneckError, Plan
-from memsave.tape import GradientTape
+from memsave.errors import (BudgetError, GradientMismatchError, NoBottleneckError,
+                            PlanGraphError, StrategyError, TapeNoBottleneckError,
+                            V1ControlFlowError)
+from memsave.planning.offload import OffloadModel
+from memsave.planning.plan import Plan
 
 logging.getLogger("memsave").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
+# Public names whose modules import TensorFlow (or Keras): loaded on first use.
+_LAZY = {
+    "gradients": "memsave.api", "gradients_collection": "memsave.api",
+    "gradients_memory": "memsave.api", "gradients_speed": "memsave.api",
+    "plan": "memsave.api", "register_strategy": "memsave.planning.registry",
+    "patch": "memsave.patching", "unpatch": "memsave.patching",
+    "GradientTape": "memsave.tape",
+}
+_SUBMODULES = ("api", "graph", "keras", "patching", "planning", "profile", "reversible",
+               "rewrite", "tape")
+
 
 def __getattr__(name):
-    # ``memsave.keras`` imports Keras, so it is only loaded when asked for;
-    # ``memsave.reversible`` likewise, to keep ``import memsave`` light.
-    if name in ("keras", "reversible"):
-        import importlib  # pylint: disable=import-outside-toplevel
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
         return importlib.import_module("memsave." + name)
     raise AttributeError("module 'memsave' has no attribute %r" % (name,))
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+
+
 __all__ = [
-    "BudgetError", "GradientMismatchError", "GradientTape", "NoBottleneckError", "Plan", "V1ControlFlowError",
-    "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan", "unpatch",
+    "BudgetError", "GradientMismatchError", "GradientTape", "NoBottleneckError", "OffloadModel",
+    "Plan", "PlanGraphError", "StrategyError", "TapeNoBottleneckError", "V1ControlFlowError",
+    "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan",
+    "register_strategy", "unpatch",
 ]

@@ -9,11 +9,11 @@ from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import tensor as tf_tensor
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
-# ``memsave.plan`` is also the public function below, so import the modules.
-from memsave.plan import strategies as planning
-from memsave.plan.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
-from memsave.plan.optimal import optimal
-from memsave.plan.plan import Plan
+from memsave.errors import GradientMismatchError
+from memsave.planning import strategies as planning
+from memsave.planning.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
+from memsave.planning.optimal import optimal
+from memsave.planning.plan import Plan
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
 from memsave.graph.shapes import resolve as resolve_shapes
@@ -27,14 +27,6 @@ STRATEGIES = ("optimal", "memory", "speed", "collection")
 # What ``fallback=None`` means. memsave's own test suite turns it off to
 # check the rewrite itself on graphs too small for it to pay.
 FALLBACK_TO_PLAIN = True
-
-
-class GradientMismatchError(RuntimeError):
-    """memsave's gradients would not have ``tf.gradients``' ``None`` pattern.
-
-    Raised instead of returning them: a missing gradient trains silently
-    wrong. It is a memsave bug; please report it with the graph.
-    """
 
 
 def _as_list(value):
@@ -191,10 +183,10 @@ def _offload_names(offload, region):
 
 def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None,
               offload=None, offload_model=None, shapes=None, max_recompute=None):
-    """Run a strategy on the region; return a :class:`memsave.plan.Plan`.
+    """Run a strategy on the region; return a :class:`memsave.planning.Plan`.
 
     ``offload`` is None, 'auto' or a list of tensors to keep in host memory
-    (see :mod:`memsave.plan.offload`). ``shapes`` and ``batch_size`` size
+    (see :mod:`memsave.planning.offload`). ``shapes`` and ``batch_size`` size
     what the graph leaves unknown (see :mod:`memsave.graph.shapes`).
     """
     if budget is not None and checkpoints != "optimal":

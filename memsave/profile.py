@@ -95,7 +95,7 @@ def estimate_peak(ys, xs, checkpoints="optimal", **plan_kwargs):
 
     ``checkpoints=None`` estimates plain ``tf.gradients``. The estimate
     simulates the rewrite's schedule on the planning graph (see
-    :mod:`memsave.plan.simulate`); it counts activations and their gradients,
+    :mod:`memsave.planning.simulate`); it counts activations and their gradients,
     not weights or weight gradients.
     """
     from memsave.api import plan  # pylint: disable=import-outside-toplevel

@@ -71,7 +71,7 @@ from tensorflow.python.util import variable_utils
 
 from memsave import api
 from memsave.graph.walk import backward_ops, forward_ops
-from memsave.plan import NoBottleneckError
+from memsave.errors import NoBottleneckError, TapeNoBottleneckError
 
 logger = logging.getLogger("memsave")
 
@@ -86,17 +86,6 @@ EAGER_MESSAGE = (
 
 # dtypes the C++ tape considers trainable (it records ops through them).
 _TAPE_DTYPES = frozenset({"resource", "variant"})
-
-
-class TapeNoBottleneckError(NoBottleneckError):
-    """:class:`memsave.NoBottleneckError` raised by ``GradientTape.gradient``.
-
-    Its constructor is ``Exception``'s, so autograph re-raises it as itself
-    (not as a ``StagingError``) when it crosses a converted ``tf.function``:
-    ``except memsave.NoBottleneckError`` around the function call works.
-    """
-
-    __init__ = Exception.__init__
 
 
 # The strategy of tapes, patch() and Keras: 'optimal' was as good as or

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import memsave
 from memsave.graph import topo_order
-from memsave.plan import OffloadModel, optimal
+from memsave.planning import OffloadModel, optimal
 from tests import models
 from tests.helpers import assert_same, run_function, run_session
 

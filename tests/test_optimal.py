@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.plan.optimal import BudgetError
+from memsave.planning.optimal import BudgetError
 from memsave.profile import estimate_peak, peak_memory, session_step
 from tests import models
 from tests.test_memory import ACTIVATION, _chain, _resnet

@@ -6,7 +6,7 @@ from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
 
 import memsave
-from memsave.patch import call_count
+from memsave.patching import call_count
 from memsave.profile import peak_memory, session_step
 from tests.test_memory import ACTIVATION, _chain
 

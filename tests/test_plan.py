@@ -5,7 +5,7 @@ import math
 import networkx as nx
 import pytest
 
-from memsave.plan import NoBottleneckError, bottlenecks, explicit, memory, speed
+from memsave.planning import NoBottleneckError, bottlenecks, explicit, memory, speed
 
 MB = 2**20
 

@@ -12,6 +12,7 @@ import networkx as nx
 
 from tensorflow.python.framework import ops as tf_ops
 
+from memsave.errors import V1ControlFlowError
 from memsave.graph.stateful import is_pinned, written_handles
 from memsave.graph.walk import backward_ops, forward_ops, topo_order
 
@@ -94,10 +95,6 @@ V1_CONTROL_FLOW = frozenset({
     "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
     "NextIteration", "RefNextIteration", "LoopCond",
 })
-
-
-class V1ControlFlowError(ValueError):
-    """The region holds TF1 control flow, which memsave cannot recompute."""
 
 
 def _refuse_v1_control_flow(ops):

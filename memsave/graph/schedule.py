@@ -7,7 +7,7 @@ runs them in whatever order; when ``dx`` comes first, ``x``, ``dy`` and
 ``dx`` are alive together. Running the weight gradient first lets ``x`` go
 (if nothing else in the backward pass reads it) before ``dx`` is allocated.
 On a U-Net's wide concatenations this is the difference between one and two
-copies of the widest tensor. The estimator (``memsave.plan.simulate``)
+copies of the widest tensor. The estimator (``memsave.planning.simulate``)
 models the same order.
 """
 

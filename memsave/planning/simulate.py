@@ -29,7 +29,7 @@ during the last step of the current one (``swapin_ahead`` > 0).
 
 import collections
 
-from memsave.plan.plan import node_bytes, topological
+from memsave.planning.plan import node_bytes, topological
 
 Prepared = collections.namedtuple("Prepared", "names index size saved preds ys forced early")
 

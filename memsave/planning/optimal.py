@@ -19,9 +19,10 @@ import logging
 
 import numpy as np
 
-from memsave.plan.offload import OffloadModel, host_bytes, offloadable
-from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
-from memsave.plan.simulate import prepare, simulate_peak
+from memsave.errors import BudgetError
+from memsave.planning.offload import OffloadModel, host_bytes, offloadable
+from memsave.planning.plan import Plan, node_bytes, saved_bytes, topological
+from memsave.planning.simulate import prepare, simulate_peak
 
 # Ops whose outputs are costly to recompute (and whose gradients read only inputs).
 EXPENSIVE = frozenset({
@@ -30,12 +31,6 @@ EXPENSIVE = frozenset({
 })
 
 logger = logging.getLogger("memsave")
-
-class BudgetError(ValueError):
-    """No plan fits the requested memory budget."""
-
-    __init__ = Exception.__init__  # re-raised as itself through tf.function
-
 
 def _linearize(graph):
     nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])
@@ -191,7 +186,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     With ``offload='auto'`` every candidate is also tried with its kept
     tensors offloaded (those worth it under ``model``, or all that can be),
     and peaks are device peaks; extra time is recomputation plus transfers
-    (see :class:`memsave.plan.offload.OffloadModel`).
+    (see :class:`memsave.planning.offload.OffloadModel`).
     """
     if budget is not None and budget <= 0:
         raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
@@ -226,7 +221,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
     # pylint: disable=import-outside-toplevel
-    from memsave.plan.strategies import memory, speed_candidates
+    from memsave.planning.strategies import memory, speed_candidates
     try:
         kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
     except ValueError:

@@ -1,10 +1,10 @@
 """Framework-free checkpoint planning over a networkx DAG of tensors."""
 
-from memsave.plan.offload import OffloadModel
-from memsave.plan.optimal import BudgetError, optimal
-from memsave.plan.plan import Plan
-from memsave.plan.simulate import simulate_peak
-from memsave.plan.strategies import (
+from memsave.planning.offload import OffloadModel
+from memsave.planning.optimal import BudgetError, optimal
+from memsave.planning.plan import Plan
+from memsave.planning.simulate import simulate_peak
+from memsave.planning.strategies import (
     SPEED_OP_TYPES, NoBottleneckError, bottlenecks, explicit, memory, speed, with_offload)
 
 __all__ = [

@@ -3,7 +3,7 @@
 A planning graph is a networkx DiGraph of tensors as built by
 ``memsave.graph.region.to_plan_graph``: nodes carry ``order``, ``elements``,
 ``bytes``, ``cost``, ``op_type`` and the flags ``x``, ``y``, ``forced`` and
-``candidate``. Every strategy returns a :class:`~memsave.plan.plan.Plan`.
+``candidate``. Every strategy returns a :class:`~memsave.planning.plan.Plan`.
 """
 
 import dataclasses
@@ -11,10 +11,11 @@ import logging
 
 import networkx as nx
 
-from memsave.plan.offload import OffloadModel, host_bytes, offloadable
-from memsave.plan.optimal import EXPENSIVE
-from memsave.plan.plan import Plan, node_bytes, saved_bytes, topological
-from memsave.plan.simulate import simulate_peak
+from memsave.errors import NoBottleneckError
+from memsave.planning.offload import OffloadModel, host_bytes, offloadable
+from memsave.planning.optimal import EXPENSIVE
+from memsave.planning.plan import Plan, node_bytes, saved_bytes, topological
+from memsave.planning.simulate import simulate_peak
 
 logger = logging.getLogger("memsave")
 
@@ -24,14 +25,6 @@ _SINK = ("memsave", "sink")
 
 # Ops whose output is just a view of an x (a variable's current value).
 INPUT_READS = frozenset({"ReadVariableOp"})
-
-
-class NoBottleneckError(ValueError):
-    """The 'memory' strategy found no single-tensor bottleneck."""
-
-    # A plain Exception constructor lets tf.function re-raise this type
-    # as itself instead of wrapping it in a StagingError.
-    __init__ = Exception.__init__
 
 
 def _forced(graph):

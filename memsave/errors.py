@@ -1,0 +1,58 @@
+"""Every exception memsave raises on purpose, in one place (no TensorFlow here).
+
+Each subclasses the built-in type a caller would catch anyway (ValueError
+for what the input asks, RuntimeError for a memsave bug). Their constructor
+is ``Exception``'s: autograph re-raises such exceptions as themselves, not
+as a ``StagingError``, when they cross a converted ``tf.function``, so
+``except memsave.NoBottleneckError`` around the function call works.
+"""
+
+
+class NoBottleneckError(ValueError):
+    """The 'memory' strategy found no single-tensor bottleneck to keep."""
+
+    __init__ = Exception.__init__
+
+
+class TapeNoBottleneckError(NoBottleneckError):
+    """:class:`NoBottleneckError` raised by ``GradientTape.gradient`` (says which tape)."""
+
+    __init__ = Exception.__init__
+
+
+class BudgetError(ValueError):
+    """No plan fits the requested memory budget."""
+
+    __init__ = Exception.__init__
+
+
+class StrategyError(ValueError):
+    """A strategy (built-in or user-defined) returned something unusable."""
+
+    __init__ = Exception.__init__
+
+
+class PlanGraphError(ValueError):
+    """A planning graph breaks its schema (see :mod:`memsave.planning.dag`)."""
+
+    __init__ = Exception.__init__
+
+
+class V1ControlFlowError(ValueError):
+    """The region holds TF1 control flow, which memsave cannot recompute."""
+
+    __init__ = Exception.__init__
+
+
+class GradientMismatchError(RuntimeError):
+    """memsave's gradients would not have ``tf.gradients``' ``None`` pattern.
+
+    Raised instead of returning them: a missing gradient trains silently
+    wrong. It is a memsave bug; please report it with the graph.
+    """
+
+    __init__ = Exception.__init__
+
+
+__all__ = ["BudgetError", "GradientMismatchError", "NoBottleneckError", "PlanGraphError",
+           "StrategyError", "TapeNoBottleneckError", "V1ControlFlowError"]
