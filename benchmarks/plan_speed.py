@@ -11,24 +11,22 @@ import json
 import pathlib
 import time
 
-import networkx as nx
 import numpy as np
 
-from memsave.planning import memory, optimal
+from memsave.planning import PlanGraph, memory, optimal
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MB = 2**20
 
 
 def _node(g, name, order, size=MB, x=False, y=False, op_type="Tanh"):
-    g.add_node(name, order=order, elements=size // 4, bytes=0 if x else size, cost=float(size),
-               op_type=op_type, x=x, y=y, forced=False, saved=True, grad_reads_output=True,
-               candidate=not (x or y))
+    g.add_tensor(name, order=order, elements=size // 4, bytes=0 if x else size,
+                 cost=float(size), op_type=op_type, x=x, y=y, candidate=not (x or y))
 
 
 def residual(n_tensors, rng):
     """Blocks of 4 tensors with a skip around 3 of them."""
-    g = nx.DiGraph()
+    g = PlanGraph()
     _node(g, "x", -1, x=True)
     prev, i = "x", 0
     while i < n_tensors - 1:
@@ -44,7 +42,7 @@ def residual(n_tensors, rng):
 
 def unet_like(n_tensors, rng):
     """A chain with nested long skips (every level skips over the next)."""
-    g = nx.DiGraph()
+    g = PlanGraph()
     _node(g, "x", -1, x=True)
     names = ["t%d" % i for i in range(n_tensors)]
     for i, name in enumerate(names):

@@ -10,9 +10,9 @@ from tensorflow.python.framework import tensor as tf_tensor
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from memsave.errors import GradientMismatchError
+from memsave.planning import registry
 from memsave.planning import strategies as planning
 from memsave.planning.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
-from memsave.planning.optimal import optimal
 from memsave.planning.plan import Plan
 from memsave.graph import graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
@@ -22,7 +22,27 @@ from memsave.rewrite import SwapConfig, plain_gradients, rewrite
 
 logger = logging.getLogger("memsave")
 
-STRATEGIES = ("optimal", "memory", "speed", "collection")
+# Names that are not planning-graph strategies: they need the TF graph.
+COLLECTION = "collection"
+STRATEGIES = ("optimal", "memory", "speed", COLLECTION)   # the built-in names
+
+
+def strategy_names():
+    """Every name ``checkpoints=`` accepts: built-ins, 'collection', registered ones."""
+    names = registry.strategy_names()
+    return names[:len(registry.BUILT_IN)] + [COLLECTION] + names[len(registry.BUILT_IN):]
+
+
+def check_checkpoints(checkpoints):
+    """Raise unless ``checkpoints`` is a strategy name, a callable strategy or a list."""
+    if isinstance(checkpoints, str):
+        if checkpoints != COLLECTION and registry.lookup(checkpoints) is None:
+            raise ValueError("unknown checkpoints strategy %r; use one of %s, a callable "
+                             "strategy or a list of tensors" % (
+                                 checkpoints, ", ".join(map(repr, strategy_names()))))
+    elif not callable(checkpoints) and not isinstance(checkpoints, (list, tuple)):
+        raise TypeError("checkpoints must be a strategy name (%s), a callable strategy or a "
+                        "list of tensors, got %r" % (", ".join(strategy_names()), checkpoints))
 
 # What ``fallback=None`` means. memsave's own test suite turns it off to
 # check the rewrite itself on graphs too small for it to pay.
@@ -183,34 +203,46 @@ def _offload_names(offload, region):
 
 def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None,
               offload=None, offload_model=None, shapes=None, max_recompute=None):
-    """Run a strategy on the region; return a :class:`memsave.planning.Plan`.
+    """Run a strategy on the region; return a :class:`memsave.Plan`.
 
-    ``offload`` is None, 'auto' or a list of tensors to keep in host memory
-    (see :mod:`memsave.planning.offload`). ``shapes`` and ``batch_size`` size
-    what the graph leaves unknown (see :mod:`memsave.graph.shapes`).
+    ``checkpoints`` is a registered name ('optimal', ...), 'collection', a
+    callable strategy (see :mod:`memsave.planning.registry`) or a list of
+    tensors. ``offload`` is None, 'auto' or a list of tensors to keep in
+    host memory (see :mod:`memsave.planning.offload`). ``shapes`` and
+    ``batch_size`` size what the graph leaves unknown (see
+    :mod:`memsave.graph.shapes`).
     """
-    if budget is not None and checkpoints != "optimal":
-        raise ValueError("budget= needs checkpoints='optimal', got %r" % (checkpoints,))
-    if max_recompute is not None and checkpoints != "optimal":
-        raise ValueError("max_recompute= needs checkpoints='optimal', got %r" % (checkpoints,))
+    check_checkpoints(checkpoints)
+    strategy = _strategy(checkpoints)
+    if strategy is not None:
+        registry.check_options(strategy, repr(checkpoints) if isinstance(checkpoints, str)
+                               else registry.label(strategy),
+                               dict(budget=budget, max_recompute=max_recompute))
+    elif budget is not None or max_recompute is not None:
+        raise ValueError("%s= needs checkpoints='optimal' or a strategy that accepts it; got %s"
+                         % ("budget" if budget is not None else "max_recompute",
+                            "a list of tensors" if not isinstance(checkpoints, str)
+                            else repr(checkpoints)))
     if isinstance(offload, str) and offload != "auto":
         raise ValueError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
     if offload is not None and not isinstance(offload, (str, list, tuple)):
         raise TypeError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
     names = _offload_names(offload, region) if isinstance(offload, (list, tuple)) else []
     resolved = resolve_shapes(region, shapes, batch_size)
-    pg = to_plan_graph(region, batch_size=batch_size, shapes=resolved.shapes)
-    unknown = pg.graph.get("unknown_dims", 0)
+    pg = to_plan_graph(region, batch_size=batch_size, shapes=resolved.shapes).validate()
+    unknown = pg.unknown_dims
     model = offload_model or OffloadModel()
-    if checkpoints == "optimal":
-        result = optimal(pg, budget=budget, offload="auto" if offload == "auto" else None,
-                         model=model, max_recompute=max_recompute)
+    auto = "auto" if offload == "auto" else None
+    if strategy is not None:
+        result = registry.run(strategy, pg, budget=budget, max_recompute=max_recompute,
+                              min_checkpoint_size=min_checkpoint_size, offload=auto, model=model)
     else:
-        result = _run_strategy(pg, region, checkpoints, min_checkpoint_size)
-        if offload == "auto":
+        result = planning.explicit(pg, _listed_checkpoints(region, checkpoints),
+                                   strategy=checkpoints if isinstance(checkpoints, str) else "list")
+        if auto:
             result = planning.with_offload(pg, result, None, model)
     if names:
-        refused = [n for n in names if not pg.has_node(n) or not pg.nodes[n].get("offloadable")]
+        refused = [n for n in names if not pg.has_node(n) or not pg.nodes[n]["offloadable"]]
         if refused:
             raise ValueError(
                 "cannot offload %s: only float tensors between xs and ys that are not ys, "
@@ -231,22 +263,18 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_
     return result
 
 
-def _run_strategy(pg, region, checkpoints, min_checkpoint_size):
+def _strategy(checkpoints):
+    """The planning-graph strategy ``checkpoints`` names or is; None for tensor lists."""
     if isinstance(checkpoints, str):
-        if checkpoints == "memory":
-            return planning.memory(pg, min_checkpoint_size=min_checkpoint_size)
-        if checkpoints == "speed":
-            return planning.speed(pg)
-        if checkpoints == "collection":
-            names = _explicit_checkpoints(region.graph.get_collection("checkpoints"),
-                                          region.graph, region)
-            return planning.explicit(pg, names, strategy="collection")
-        raise ValueError("unknown checkpoints strategy %r; use one of %s or a list of tensors"
-                         % (checkpoints, ", ".join(repr(s) for s in STRATEGIES)))
-    if isinstance(checkpoints, (list, tuple)):
-        return planning.explicit(pg, _explicit_checkpoints(checkpoints, region.graph, region))
-    raise TypeError("checkpoints must be a strategy name (%s) or a list of tensors, got %r"
-                    % (", ".join(STRATEGIES), checkpoints))
+        return None if checkpoints == COLLECTION else registry.lookup(checkpoints)
+    return checkpoints if callable(checkpoints) else None
+
+
+def _listed_checkpoints(region, checkpoints):
+    """Names of the tensors in ``checkpoints`` (a list) or the 'checkpoints' collection."""
+    items = region.graph.get_collection("checkpoints") if checkpoints == COLLECTION \
+        else checkpoints
+    return _explicit_checkpoints(items, region.graph, region)
 
 
 # Graph rewriting is plain Python: autograph must not convert it when it is
@@ -261,8 +289,11 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
     ``checkpoints`` is 'optimal', 'memory', 'speed', 'collection' (tensors
-    added to the graph's 'checkpoints' collection) or a list of tensors to
-    keep. With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
+    added to the graph's 'checkpoints' collection), a list of tensors to
+    keep, or a strategy: any callable over the planning graph, or a name
+    given to one with :func:`memsave.register_strategy` (see
+    :mod:`memsave.planning.registry` and :mod:`memsave.planning.policies`).
+    With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
     when below 1) asks for the plan that fits it with the least recompute,
     and ``max_recompute`` (a fraction of one forward pass's FLOPs) for the
     lowest peak that recomputes at most that much.
@@ -282,7 +313,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     With ``fallback`` (the default), a named strategy whose estimated peak,
     on fully known sizes, is not below plain backprop's returns plain
     ``tf.gradients`` instead (logged at INFO); an explicit list of tensors
-    is always honoured.
+    and a callable strategy are always honoured.
 
     Further keyword arguments (``gate_gradients``, ``aggregation_method``,
     ``stop_gradients``, ``unconnected_gradients``,
@@ -397,7 +428,10 @@ def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, b
         region = analyze(ys, _resolve_xs(xs, graph))
         if not region.ops:
             # As memsave.gradients: nothing to differentiate, so nothing to keep.
-            return Plan(checkpoints if isinstance(checkpoints, str) else "list", [],
+            check_checkpoints(checkpoints)
+            label = (checkpoints if isinstance(checkpoints, str) else
+                     registry.label(checkpoints) if callable(checkpoints) else "list")
+            return Plan(label, [],
                         notes=["none of the ys depends on the xs"])
         return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size, offload,
                          _offload_model(swapin_ahead, host_bandwidth, device_flops),

@@ -8,14 +8,13 @@ are triggered, and the planner's device-peak estimate.
 
 import logging
 
-import networkx as nx
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave
 from memsave.graph import topo_order
-from memsave.planning import OffloadModel, optimal
+from memsave.planning import OffloadModel, PlanGraph, optimal
 from tests import models
 from tests.helpers import assert_same, run_function, run_session
 
@@ -270,14 +269,16 @@ def test_optimal_auto_lowers_the_device_peak():
 
 def _planning_graph(op_type, cost):
     """x -> a0 -> ... -> a7 -> y, every tensor 1 MB produced by ``op_type``."""
-    g = nx.DiGraph()
+    g = PlanGraph()
     mb = 2**20
+    conv = op_type == "Conv2D"
 
     def node(name, order, **flags):
-        g.add_node(name, order=order, elements=mb // 4, bytes=0 if flags.get("x") else mb,
-                   cost=cost, op_type=op_type, x=False, y=False, forced=False, saved=True,
-                   grad_reads_output=False, candidate=True, offloadable=True)
-        g.nodes[name].update(flags)
+        fields = dict(order=order, elements=mb // 4, bytes=0 if flags.get("x") else mb,
+                      cost=cost, op_type=op_type, grad_reads_output=False, candidate=True,
+                      offloadable=True, expensive=conv, split_gradient=conv)
+        fields.update(flags)
+        g.add_tensor(name, **fields)
 
     node("x", -1, x=True, candidate=False, offloadable=False)
     prev = "x"

@@ -2,23 +2,24 @@
 
 import math
 
-import networkx as nx
 import pytest
 
-from memsave.planning import NoBottleneckError, bottlenecks, explicit, memory, speed
+from memsave.planning import (NoBottleneckError, PlanGraph, bottlenecks, explicit, memory,
+                              speed)
 
 MB = 2**20
 
 
 def _node(g, name, order, op_type="Tanh", x=False, y=False, saved=True, size=MB):
-    g.add_node(name, order=order, elements=size // 4, bytes=0 if x else size, cost=1.0,
-               op_type=op_type, x=x, y=y, forced=False, saved=saved,
-               candidate=not (x or y))
+    matmul = op_type == "MatMul"
+    g.add_tensor(name, order=order, elements=size // 4, bytes=0 if x else size, cost=1.0,
+                 op_type=op_type, x=x, y=y, saved=saved, candidate=not (x or y),
+                 expensive=matmul, split_gradient=matmul)
 
 
 def chain(n):
     """x -> a0 -> a1 -> ... -> y, one saved activation per layer."""
-    g = nx.DiGraph()
+    g = PlanGraph()
     _node(g, "x", -1, x=True)
     prev = "x"
     for i in range(n):
@@ -62,7 +63,7 @@ def test_side_outputs_no_y_reads_make_no_bottleneck():
 
 
 def test_no_bottleneck_raises_with_alternatives():
-    g = nx.DiGraph()
+    g = PlanGraph()
     _node(g, "x", -1, x=True)
     _node(g, "a", 0)
     _node(g, "b", 1)

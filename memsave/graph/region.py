@@ -2,55 +2,24 @@
 
 The region is every op on a path from an ``x`` to a ``y``: the ops a
 checkpointed backward pass may recompute. ``to_plan_graph`` exports it as a
-framework-free networkx DAG of tensors, which is all the planners see.
+framework-free :class:`~memsave.planning.dag.PlanGraph` of tensors, which is
+all the planners see; op types become neutral flags through
+:mod:`memsave.graph.optable`.
 """
 
 import dataclasses
 import logging
 
-import networkx as nx
-
 from tensorflow.python.framework import ops as tf_ops
 
 from memsave.errors import V1ControlFlowError
+from memsave.graph import optable
+from memsave.graph.optable import grad_reads
 from memsave.graph.stateful import is_pinned, written_handles
 from memsave.graph.walk import backward_ops, forward_ops, topo_order
+from memsave.planning.dag import PlanGraph
 
 logger = logging.getLogger("memsave")
-
-# What each op's gradient reads besides the incoming gradient: its inputs,
-# its outputs, or neither. Unknown ops are assumed to read both. This is what
-# backprop keeps alive, so it drives the memory estimates.
-_GRAD_READS_NOTHING = frozenset({
-    "Add", "AddV2", "AddN", "Sub", "BiasAdd", "Identity", "IdentityN", "Neg", "Reshape",
-    "ConcatV2", "Concat", "Split", "SplitV", "Transpose", "StopGradient", "Sum", "Mean",
-    "Pad", "Slice", "StridedSlice", "Cast", "ExpandDims", "Squeeze", "Tile", "Pack",
-    "Unpack", "ZerosLike", "OnesLike", "Shape", "Size", "Rank", "Fill", "BroadcastTo",
-    "GatherV2", "ResourceGather", "ReadVariableOp", "Const", "SelectV2", "Select",
-})
-_GRAD_READS_OUTPUTS = frozenset({
-    "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
-    "Softmax", "Reciprocal", "Inv",
-})
-_GRAD_READS_INPUTS = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
-    "Conv3D", "DepthwiseConv2dNative", "Conv", "Mul", "Div", "RealDiv", "DivNoNan",
-    "Maximum", "Minimum", "SquaredDifference", "Square", "Log", "Log1p", "Sin", "Cos",
-    "Abs", "LeakyRelu", "Softplus", "Erf", "FusedBatchNorm", "FusedBatchNormV2",
-    "FusedBatchNormV3", "MaxPool", "AvgPool", "Conv2DBackpropInput",
-})
-
-
-def grad_reads(op):
-    """(inputs read, outputs read) by ``op``'s gradient."""
-    if op.type in _GRAD_READS_NOTHING:
-        return (), ()
-    if op.type in _GRAD_READS_OUTPUTS:
-        return (), op.outputs
-    if op.type in _GRAD_READS_INPUTS:
-        return op.inputs, ()
-    return op.inputs, op.outputs
-
 
 def differentiable(t):
     return t.dtype.is_floating or t.dtype.is_complex
@@ -172,7 +141,7 @@ def op_cost(op, shape_of=lambda t: t.shape):
     out = num_elements(shape_of(op.outputs[0])) if op.outputs else 0
     out = out or 1
     try:
-        if op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        if op.type in optable.MATMULS:
             a = shape_of(op.inputs[0])
             adj = op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x")
             k = a[-2] if adj else a[-1]
@@ -191,30 +160,21 @@ def op_cost(op, shape_of=lambda t: t.shape):
 
 
 def to_plan_graph(region, batch_size=None, shapes=None):
-    """Export the region as a networkx DAG over tensor names.
+    """Export the region as a :class:`~memsave.planning.dag.PlanGraph` over tensor names.
 
-    Nodes are tensors (region op outputs, and the xs). Edges go from each
-    input of a region op to each of its outputs. Node attributes: ``order``
-    (topological index), ``elements``/``bytes`` (None when the rank is
-    unknown; unknown dimensions count as ``batch_size``, or 1 without that
-    hint; ``sized_exactly`` is False when such a 1 was used), ``cost``
-    (FLOPs of the producing op), ``op_type``, and flags ``x``, ``y``, ``forced`` (must be kept),
-    ``saved`` (read by some gradient, so backprop keeps it alive),
-    ``grad_reads_output`` (its producer's gradient reads it, so a kept copy
-    still runs), ``grad_reads_inputs`` (its producer's gradient reads the
-    producer's inputs), ``candidate`` (may be chosen as a checkpoint; forced
-    tensors are kept anyway, so they are no candidates) and ``offloadable``
-    (may wait in host memory: every backward reader is a copy). The graph
-    attribute ``unknown_dims`` counts tensors whose shape was not fully known.
-    ``shapes`` (``{tensor name: TensorShape}``, see :mod:`memsave.graph.shapes`)
-    overrides static shapes that the graph leaves unknown.
+    Nodes are tensors (region op outputs, and the xs); edges go from each
+    input of a region op to each of its outputs. Unknown dimensions count as
+    ``batch_size``, or 1 without that hint (``sized_exactly`` is then False
+    and ``unknown_dims`` counts them). ``shapes`` (``{tensor name:
+    TensorShape}``, see :mod:`memsave.graph.shapes`) overrides static shapes
+    that the graph leaves unknown.
     """
     shapes = shapes or {}
 
     def shape_of(t):
         return shapes.get(t.name, t.shape)
 
-    g = nx.DiGraph()
+    g = PlanGraph()
     saved, reads_output = set(), set()
     for op in region.order:
         ins, outs = grad_reads(op)
@@ -228,34 +188,36 @@ def to_plan_graph(region, batch_size=None, shapes=None):
     read_in_place = {t.name for op in region.pinned for t in op.inputs}
     leaf_xs = region.leaf_xs
     for i, x in enumerate(leaf_xs):
-        g.add_node(x.name, order=-len(leaf_xs) + i, elements=num_elements(x.shape),
-                   bytes=None, cost=0.0, op_type=x.op.type, x=True, y=False,
-                   forced=False, candidate=False)
+        g.add_tensor(x.name, order=-len(leaf_xs) + i, elements=num_elements(x.shape),
+                     op_type=x.op.type, x=True)
     x_names = {x.name for x in leaf_xs}
-    index = 0
+    index, unknown = 0, 0
     for op in region.order:
         cost = op_cost(op, shape_of)
+        kind = optable.flags(op.type)
         # A variable read aliases the variable's buffer: no activation memory.
-        alias = op.type == "ReadVariableOp"
+        alias = kind["input_read"]
         for t in op.outputs:
             shape = shape_of(t)
             n = num_elements(shape, batch_size or 1)
-            g.add_node(t.name, order=index, elements=n,
-                       sized_exactly=shape.is_fully_defined() or bool(batch_size),
-                       bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
-                       cost=cost, op_type=op.type, x=False, y=t.name in y_names,
-                       forced=t.name in forced, saved=t.name in saved,
-                       grad_reads_output=t.name in reads_output,
-                       grad_reads_inputs=bool(grad_reads(op)[0]),
-                       candidate=(differentiable(t) and t.name not in y_names
-                                  and t.name not in forced and op not in region.pinned
-                                  and not alias),
-                       offloadable=(differentiable(t) and t.name not in y_names and not alias
-                                    and t.name not in read_in_place))
+            g.add_tensor(t.name, order=index, elements=n,
+                         sized_exactly=shape.is_fully_defined() or bool(batch_size),
+                         bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
+                         cost=float(cost), op_type=op.type, y=t.name in y_names,
+                         forced=t.name in forced, saved=t.name in saved,
+                         grad_reads_output=t.name in reads_output,
+                         grad_reads_inputs=bool(grad_reads(op)[0]),
+                         candidate=(differentiable(t) and t.name not in y_names
+                                    and t.name not in forced and op not in region.pinned
+                                    and not alias),
+                         offloadable=(differentiable(t) and t.name not in y_names and not alias
+                                      and t.name not in read_in_place),
+                         **kind)
             index += 1
             if not shape.is_fully_defined():
-                g.graph["unknown_dims"] = g.graph.get("unknown_dims", 0) + 1
+                unknown += 1
             for i in op.inputs:
                 if i.op in region.ops or i.name in x_names:
                     g.add_edge(i.name, t.name)
+    g.unknown_dims = unknown
     return g

@@ -7,17 +7,15 @@ runs them in whatever order; when ``dx`` comes first, ``x``, ``dy`` and
 ``dx`` are alive together. Running the weight gradient first lets ``x`` go
 (if nothing else in the backward pass reads it) before ``dx`` is allocated.
 On a U-Net's wide concatenations this is the difference between one and two
-copies of the widest tensor. The estimator (``memsave.planning.simulate``)
-models the same order.
+copies of the widest tensor. Which pairs are ordered is decided by
+:func:`memsave.planning.rules.reducer_runs_first`, the rule the estimator
+(``memsave.planning.simulate``) models.
 """
 
 import collections
 
-
-# Ops that only read their input's metadata: they never keep it alive.
-_METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-# Activations below this size are not worth an edge.
-MIN_ACTIVATION_BYTES = 64 * 1024
+from memsave.graph.optable import METADATA
+from memsave.planning.rules import reducer_runs_first
 
 
 def tensor_bytes(t):
@@ -66,20 +64,21 @@ def reducers_first(new_ops):
         if len(ops) < 2:
             continue
         for reducer in ops:
-            if reducer.type in _METADATA:
+            if reducer.type in METADATA:
                 continue
             out = sum(tensor_bytes(t) or 0 for t in reducer.outputs)
             for f in reducer.inputs:
                 if f.op._id in new_ids:  # pylint: disable=protected-access
                     continue
                 size = tensor_bytes(f)
-                if not size or size < MIN_ACTIVATION_BYTES or out * 4 > size:
+                if not size or not reducer_runs_first(size, out, size):
                     continue
                 for other in ops:
-                    if (other is reducer or other.type in _METADATA
+                    if (other is reducer or other.type in METADATA
                             or any(t is f for t in other.inputs)
                             or reducer in other.control_inputs
-                            or sum(tensor_bytes(t) or 0 for t in other.outputs) * 4 < size
+                            or not reducer_runs_first(
+                                size, out, sum(tensor_bytes(t) or 0 for t in other.outputs))
                             or _is_ancestor(other, reducer, new_ids)):
                         continue
                     other._add_control_input(reducer)  # pylint: disable=protected-access

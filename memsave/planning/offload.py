@@ -48,9 +48,9 @@ class OffloadModel:
     def worth_offloading(self, graph, name):
         """True if moving ``name`` to the host is cheaper than recomputing it."""
         data = graph.nodes[name]
-        nbytes = data.get("bytes") or 0
-        return bool(data.get("offloadable")) and nbytes > 0 and (
-            self.transfer_seconds(nbytes) < self.recompute_seconds(data.get("cost", 0.0)))
+        nbytes = data["bytes"] or 0
+        return data["offloadable"] and nbytes > 0 and (
+            self.transfer_seconds(nbytes) < self.recompute_seconds(data["cost"]))
 
     def seconds(self, graph, recompute_flops, offloaded):
         """Estimated extra step time: recomputation plus exposed transfers."""
@@ -60,8 +60,8 @@ class OffloadModel:
 
 def offloadable(graph, names):
     """The tensors among ``names`` that can be offloaded, in the given order."""
-    return [n for n in names if graph.nodes[n].get("offloadable")]
+    return [n for n in names if graph.nodes[n]["offloadable"]]
 
 
 def host_bytes(graph, offloaded):
-    return int(sum(graph.nodes[n].get("bytes") or 0 for n in offloaded))
+    return int(sum(graph.nodes[n]["bytes"] or 0 for n in offloaded))

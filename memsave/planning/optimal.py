@@ -21,19 +21,15 @@ import numpy as np
 
 from memsave.errors import BudgetError
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
-from memsave.planning.plan import Plan, node_bytes, saved_bytes, topological
+from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
+from memsave.planning.plan import Plan
 from memsave.planning.simulate import prepare, simulate_peak
-
-# Ops whose outputs are costly to recompute (and whose gradients read only inputs).
-EXPENSIVE = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv", "Conv2D",
-    "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNative",
-})
+from memsave.planning.strategies import memory, speed_candidates
 
 logger = logging.getLogger("memsave")
 
 def _linearize(graph):
-    nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])
+    nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d["x"]])
     position = {n: i for i, n in enumerate(nodes)}
     m = len(nodes)
     last_use = np.empty(m, dtype=np.int64)
@@ -42,10 +38,10 @@ def _linearize(graph):
     for i, n in enumerate(nodes):
         data = graph.nodes[n]
         uses = [position[s] for s in graph.successors(n) if s in position]
-        last_use[i] = m if data.get("y") else max(uses, default=i)
+        last_use[i] = m if data["y"] else max(uses, default=i)
         # Only candidates cost anything to keep: ys are the top boundary,
         # forced tensors are kept anyway, variable reads are aliases.
-        keep_bytes[i] = node_bytes(graph, n) if data.get("candidate") else 0.0
+        keep_bytes[i] = node_bytes(graph, n) if data["candidate"] else 0.0
         seg_bytes[i] = saved_bytes(graph, n)
     return nodes, last_use, keep_bytes, seg_bytes
 
@@ -101,16 +97,16 @@ def recompute_flops(graph, kept):
     kept = set(kept)
     total = 0.0
     for n, d in graph.nodes(data=True):
-        if d.get("x") or d.get("forced"):
+        if d["x"] or d["forced"]:
             continue
-        if n in kept and not d.get("grad_reads_output", True):
+        if n in kept and not d["grad_reads_output"]:
             continue
-        total += d.get("cost", 0.0)
+        total += d["cost"]
     return total
 
 
 def forward_flops(graph):
-    return sum(d.get("cost", 0.0) for _, d in graph.nodes(data=True) if not d.get("x"))
+    return sum(d["cost"] for _, d in graph.nodes(data=True) if not d["x"])
 
 
 def plans(graph, values=8, prefer_speed=False, offload_model=None):
@@ -125,14 +121,14 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None):
     nodes, last_use, keep_bytes, seg_bytes = _linearize(graph)
     if not nodes:
         return []
-    candidate = np.array([bool(graph.nodes[n].get("candidate")) for n in nodes])
+    candidate = np.array([graph.nodes[n]["candidate"] for n in nodes], dtype=bool)
     prefix = np.concatenate([[0.0], np.cumsum(seg_bytes)])
     total = prefix[-1]
     smallest = max(float(seg_bytes.max()), 1.0)
     grid = sorted(set(np.geomspace(smallest, max(total, smallest), values).tolist()))
     cheap_to_keep = np.array([
-        0.25 if (graph.nodes[n].get("op_type") in EXPENSIVE
-                 and not graph.nodes[n].get("grad_reads_output", True)) else 1.0
+        0.25 if (graph.nodes[n]["expensive"] and not graph.nodes[n]["grad_reads_output"])
+        else 1.0
         for n in nodes])
     found = {}
 
@@ -199,7 +195,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
         raise ValueError("max_recompute must be a fraction of one forward pass >= 0 (0.1: at "
                          "most 10%% extra forward FLOPs), got %r" % (max_recompute,))
     model = model or OffloadModel()
-    forced = topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
+    forced = nodes_where(validate(graph), "forced")
     prepared = prepare(graph)
     plain = simulate_peak(graph, (), prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
@@ -220,8 +216,6 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     kept_sets = [kept for _, _, kept in candidates] + [[]]
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
-    # pylint: disable=import-outside-toplevel
-    from memsave.planning.strategies import memory, speed_candidates
     try:
         kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
     except ValueError:

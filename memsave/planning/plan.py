@@ -10,7 +10,8 @@ class Plan:
     ``checkpoints`` are tensor names in topological order, chosen by the
     strategy; ``forced`` are tensors that must be kept whatever the strategy
     (outputs of ops that must not be recomputed). Byte estimates count
-    activations only, from static shapes (unknown dimensions taken as 1).
+    activations only, from the shapes the planning graph carries
+    (``unknown_dims`` counts tensors sized with a guess).
     ``offloaded`` are kept tensors that wait in host memory between the
     forward pass and their use; the estimated peak is then device memory,
     and ``host_bytes`` what the host holds.
@@ -58,18 +59,3 @@ class Plan:
 
     __str__ = summary
 
-
-def node_bytes(graph, name):
-    b = graph.nodes[name].get("bytes")
-    return 0 if b is None else b
-
-
-def saved_bytes(graph, name):
-    """Bytes backprop keeps alive for ``name`` (0 if no gradient reads it)."""
-    data = graph.nodes[name]
-    return node_bytes(graph, name) if data.get("saved", True) else 0
-
-
-def topological(graph, names):
-    """``names`` sorted by the graph's ``order`` attribute."""
-    return sorted(names, key=lambda n: graph.nodes[n]["order"])

@@ -11,10 +11,12 @@ reverse topological order. During a segment, memory holds:
 - gradients in flight: the gradient of a tensor lives from when its first
   consumer's backward produces it until its producer's backward consumes it.
 
-A matmul or convolution's gradient is two ops: the weight gradient reads
-the input activation, the input gradient does not. The rewrite runs the
-weight gradient first (``memsave.graph.schedule``), so an input activation
-that no other gradient reads is freed before its own gradient is allocated.
+A matmul or convolution's gradient is two ops (``split_gradient``): the
+weight gradient reads the input activation, the input gradient does not.
+The rewrite runs the weight gradient first when
+:func:`memsave.planning.rules.reducer_runs_first` says so, so an input
+activation that no other gradient reads is freed before its own gradient is
+allocated.
 
 With nothing kept it models plain backprop, which keeps every saved
 activation of the forward pass (one segment holding everything). Sizes are
@@ -29,16 +31,10 @@ during the last step of the current one (``swapin_ahead`` > 0).
 
 import collections
 
-from memsave.planning.plan import node_bytes, topological
+from memsave.planning.dag import node_bytes, topological
+from memsave.planning.rules import reducer_runs_first
 
 Prepared = collections.namedtuple("Prepared", "names index size saved preds ys forced early")
-
-# Ops whose gradient splits into a weight gradient (reads the input
-# activation) and an input gradient (does not).
-SPLIT_GRADIENT = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv", "Conv2D",
-    "Conv3D", "DepthwiseConv2dNative",
-})
 
 
 def _freed_early(graph, names, size, saved, preds):
@@ -46,33 +42,34 @@ def _freed_early(graph, names, size, saved, preds):
 
     An input qualifies when the consumer's gradient is the only one that
     reads it (its producer's gradient does not read it, nor does any other
-    consumer's) and the consumer's other inputs are small (weights).
+    consumer's) and the rewrite orders the weight gradient first (its result,
+    the size of the consumer's other inputs, is small; the input gradient's is
+    the input's size).
     """
     nodes = graph.nodes
     early = {}
     for i, n in enumerate(names):
-        if nodes[n].get("op_type") not in SPLIT_GRADIENT:
+        if not nodes[n]["split_gradient"]:
             continue
         for q in preds[i]:
-            if not saved[q] or nodes[names[q]].get("grad_reads_output", True):
+            if not saved[q] or nodes[names[q]]["grad_reads_output"]:
                 continue
-            readers = {c for c in graph.successors(names[q])
-                       if nodes[c].get("grad_reads_inputs", True)}
-            others = [o for o in preds[i] if o != q]
-            if readers == {n} and all(size[o] * 4 <= size[q] for o in others):
+            readers = {c for c in graph.successors(names[q]) if nodes[c]["grad_reads_inputs"]}
+            others = sum(size[o] for o in preds[i] if o != q)
+            if readers == {n} and reducer_runs_first(size[q], others, size[q]):
                 early.setdefault(i, []).append(q)
     return early
 
 
 def prepare(graph):
     """Index the planning graph once for repeated simulations."""
-    names = topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")])
+    names = topological(graph, [n for n, d in graph.nodes(data=True) if not d["x"]])
     index = {n: i for i, n in enumerate(names)}
     size = [node_bytes(graph, n) for n in names]
-    saved = [bool(graph.nodes[n].get("saved", True)) for n in names]
+    saved = [graph.nodes[n]["saved"] for n in names]
     preds = [[index[p] for p in graph.predecessors(n) if p in index] for n in names]
-    ys = [i for i, n in enumerate(names) if graph.nodes[n].get("y")]
-    forced = {i for i, n in enumerate(names) if graph.nodes[n].get("forced")}
+    ys = [i for i, n in enumerate(names) if graph.nodes[n]["y"]]
+    forced = {i for i, n in enumerate(names) if graph.nodes[n]["forced"]}
     early = _freed_early(graph, names, size, saved, preds)
     return Prepared(names, index, size, saved, preds, ys, forced, early)
 

@@ -1,9 +1,9 @@
-"""Checkpoint strategies over a planning graph (no TensorFlow here).
+"""The built-in checkpoint strategies 'memory' and 'speed' (no TensorFlow here).
 
-A planning graph is a networkx DiGraph of tensors as built by
-``memsave.graph.region.to_plan_graph``: nodes carry ``order``, ``elements``,
-``bytes``, ``cost``, ``op_type`` and the flags ``x``, ``y``, ``forced`` and
-``candidate``. Every strategy returns a :class:`~memsave.planning.plan.Plan`.
+They work on a :class:`~memsave.planning.dag.PlanGraph` and return a
+:class:`~memsave.planning.plan.Plan`; 'optimal' is in
+:mod:`memsave.planning.optimal`. :func:`plan_for` turns any kept set into a
+Plan with estimates, which is what user-defined strategies get too.
 """
 
 import dataclasses
@@ -12,28 +12,20 @@ import logging
 import networkx as nx
 
 from memsave.errors import NoBottleneckError
+from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
-from memsave.planning.optimal import EXPENSIVE
-from memsave.planning.plan import Plan, node_bytes, saved_bytes, topological
+from memsave.planning.plan import Plan
 from memsave.planning.simulate import simulate_peak
 
 logger = logging.getLogger("memsave")
 
-SPEED_OP_TYPES = EXPENSIVE | {"_FusedMatMul", "_FusedConv2D"}
-
 _SINK = ("memsave", "sink")
 
-# Ops whose output is just a view of an x (a variable's current value).
-INPUT_READS = frozenset({"ReadVariableOp"})
 
-
-def _forced(graph):
-    return topological(graph, [n for n, d in graph.nodes(data=True) if d.get("forced")])
-
-
-def _make_plan(graph, strategy, chosen, notes=()):
+def plan_for(graph, chosen, strategy, notes=()):
+    """A :class:`Plan` that keeps ``chosen`` (names in ``graph``), with estimates."""
     chosen = topological(graph, set(chosen))
-    forced = _forced(graph)
+    forced = nodes_where(graph, "forced")
     peak = simulate_peak(graph, set(chosen) | set(forced))
     plain = simulate_peak(graph, ())
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
@@ -65,33 +57,35 @@ def explicit(graph, names, strategy="list"):
     Names that are xs or ys are ignored (DEBUG log); names off the xs->ys
     path are reported by the caller before they reach here.
     """
+    validate(graph)
     chosen = []
     for n in names:
         data = graph.nodes.get(n)
         if data is None:
             continue
-        if data.get("x") or data.get("y"):
+        if data["x"] or data["y"]:
             logger.debug("memsave: checkpoint %s is an x or a y; ignored", n)
             continue
         chosen.append(n)
-    return _make_plan(graph, strategy, chosen)
+    return plan_for(graph, chosen, strategy)
 
 
-def speed_candidates(graph, op_types=SPEED_OP_TYPES):
+def speed_candidates(graph):
     """Candidate tensors produced by expensive ops, in graph order."""
-    return [n for n, d in graph.nodes(data=True)
-            if d.get("candidate") and d.get("op_type") in op_types]
+    return topological(graph, [n for n, d in graph.nodes(data=True)
+                               if d["candidate"] and d["expensive"]])
 
 
-def speed(graph, op_types=SPEED_OP_TYPES):
+def speed(graph):
     """Keep the outputs of expensive ops (matmuls, convolutions, einsums).
 
     Backprop then recomputes only cheap elementwise work, so the step time
-    barely rises; memory drops less than with 'memory'.
+    barely rises; memory drops less than with 'memory'. To keep the outputs
+    of other op types, use :func:`memsave.planning.keep_op_types`.
     """
-    chosen = speed_candidates(graph, op_types)
+    chosen = speed_candidates(validate(graph))
     notes = [] if chosen else ["no matmul/conv/einsum outputs between xs and ys"]
-    return _make_plan(graph, "speed", chosen, notes)
+    return plan_for(graph, chosen, "speed", notes)
 
 
 def bottlenecks(graph):
@@ -109,8 +103,8 @@ def bottlenecks(graph):
     # (a weight shared by layers, a weight-decay term) never makes backprop
     # keep or recompute an activation, so it must not hide a bottleneck.
     und.remove_nodes_from([n for n, d in graph.nodes(data=True)
-                           if d.get("x") or d.get("op_type") in INPUT_READS])
-    ys = [n for n, d in graph.nodes(data=True) if d.get("y")]
+                           if d["x"] or d["input_read"]])
+    ys = [n for n, d in graph.nodes(data=True) if d["y"]]
     # Outputs no y reads (a batch norm's batch statistics) come and go with
     # their op: hanging off one input, they would make it look like a cut.
     live = set(ys).union(*(nx.ancestors(graph, y) for y in ys))
@@ -126,7 +120,7 @@ def bottlenecks(graph):
         # Activation bytes (an unknown size counts).
         if n == _SINK:
             return 0
-        b = graph.nodes[n].get("bytes")
+        b = graph.nodes[n]["bytes"]
         return 1 if b is None else b
 
     # Block-cut tree rooted at the sink; a cut vertex's subtree below it is
@@ -171,17 +165,18 @@ def memory(graph, min_checkpoint_size=1024):
     """
     if min_checkpoint_size < 0:
         raise ValueError("min_checkpoint_size must be >= 0, got %r" % (min_checkpoint_size,))
+    validate(graph)
 
     def big(n):
         # An element count made with unknown dimensions taken as 1 is only a
         # lower bound (Keras retraces the last, smaller batch with an unknown
         # batch size): it cannot rule a tensor out.
         d = graph.nodes[n]
-        e = d.get("elements")
-        return e is None or not d.get("sized_exactly", True) or e >= min_checkpoint_size
+        e = d["elements"]
+        return e is None or not d["sized_exactly"] or e >= min_checkpoint_size
 
-    sized = [n for n, d in graph.nodes(data=True) if d.get("candidate") and big(n)]
-    cuts = [n for n in bottlenecks(graph) if graph.nodes[n].get("candidate")]
+    sized = [n for n, d in graph.nodes(data=True) if d["candidate"] and big(n)]
+    cuts = [n for n in bottlenecks(graph) if graph.nodes[n]["candidate"]]
     found = [n for n in cuts if big(n)]
     if cuts and not found:
         raise NoBottleneckError(
@@ -197,7 +192,7 @@ def memory(graph, min_checkpoint_size=1024):
             "checkpoints='collection' with tensors added to the 'checkpoints' "
             "collection, or pass an explicit list of tensors." % min_checkpoint_size)
     chosen, _ = _best_spacing(graph, found)
-    return _make_plan(graph, "memory", chosen,
+    return plan_for(graph, chosen, "memory",
                       ["%d bottleneck(s) among %d activations; kept %d" % (
                           len(found), len(sized), len(chosen))])
 
@@ -216,7 +211,7 @@ def _best_spacing(graph, found):
     Returns (checkpoints, modelled peak bytes).
     """
     running, position = 0, {}
-    for n in topological(graph, [n for n, d in graph.nodes(data=True) if not d.get("x")]):
+    for n in topological(graph, [n for n, d in graph.nodes(data=True) if not d["x"]]):
         running += saved_bytes(graph, n)
         position[n] = running
     sizes = [node_bytes(graph, n) for n in found]

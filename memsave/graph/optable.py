@@ -1,0 +1,66 @@
+"""What memsave knows about TensorFlow op types, in one table.
+
+The planners never see op names: :func:`flags` turns an op into the neutral
+fields of :class:`memsave.planning.dag.TensorNode`. Unknown ops get the
+safe answers (their gradient reads inputs and outputs; not expensive).
+"""
+
+# What each op's gradient reads besides the incoming gradient: its inputs,
+# its outputs, or neither. This is what backprop keeps alive, so it drives
+# the memory estimates.
+GRAD_READS_NOTHING = frozenset({
+    "Add", "AddV2", "AddN", "Sub", "BiasAdd", "Identity", "IdentityN", "Neg", "Reshape",
+    "ConcatV2", "Concat", "Split", "SplitV", "Transpose", "StopGradient", "Sum", "Mean",
+    "Pad", "Slice", "StridedSlice", "Cast", "ExpandDims", "Squeeze", "Tile", "Pack",
+    "Unpack", "ZerosLike", "OnesLike", "Shape", "Size", "Rank", "Fill", "BroadcastTo",
+    "GatherV2", "ResourceGather", "ReadVariableOp", "Const", "SelectV2", "Select",
+})
+GRAD_READS_OUTPUTS = frozenset({
+    "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
+    "Softmax", "Reciprocal", "Inv",
+})
+GRAD_READS_INPUTS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+    "Conv3D", "DepthwiseConv2dNative", "Conv", "Mul", "Div", "RealDiv", "DivNoNan",
+    "Maximum", "Minimum", "SquaredDifference", "Square", "Log", "Log1p", "Sin", "Cos",
+    "Abs", "LeakyRelu", "Softplus", "Erf", "FusedBatchNorm", "FusedBatchNormV2",
+    "FusedBatchNormV3", "MaxPool", "AvgPool", "Conv2DBackpropInput",
+})
+
+MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+# Many FLOPs per output byte: worth keeping (or offloading) rather than
+# recomputing. Their gradients read only their inputs.
+EXPENSIVE = MATMULS | frozenset({
+    "Einsum", "Conv", "Conv2D", "Conv3D", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
+    "DepthwiseConv2dNative", "_FusedMatMul", "_FusedConv2D",
+})
+
+# Gradient = a weight gradient that reads the input activation + an input
+# gradient that does not (see memsave.planning.rules).
+SPLIT_GRADIENT = MATMULS | frozenset({
+    "Einsum", "Conv", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
+})
+
+# Outputs that alias an x's buffer (a variable's current value): no memory.
+INPUT_READS = frozenset({"ReadVariableOp"})
+
+# Ops that only read their input's metadata: they never keep it alive.
+METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def grad_reads(op):
+    """(inputs read, outputs read) by ``op``'s gradient."""
+    if op.type in GRAD_READS_NOTHING:
+        return (), ()
+    if op.type in GRAD_READS_OUTPUTS:
+        return (), op.outputs
+    if op.type in GRAD_READS_INPUTS:
+        return op.inputs, ()
+    return op.inputs, op.outputs
+
+
+def flags(op_type):
+    """The op-kind fields of a planning-graph node for an output of ``op_type``."""
+    return dict(expensive=op_type in EXPENSIVE, split_gradient=op_type in SPLIT_GRADIENT,
+                input_read=op_type in INPUT_READS)

@@ -1,0 +1,300 @@
+"""Strategies as data: user-defined callables, registered names, composable
+policies, the planning-graph schema, and the package's shape (no TF op
+names in the planners, no import cycles, modules that are modules)."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import networkx as nx
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import planning
+from memsave.errors import PlanGraphError, StrategyError
+from memsave.planning import PlanGraph, rules, simulate_peak
+
+ROOT = pathlib.Path(memsave.__file__).resolve().parent
+MB = 2**20
+
+
+# ----------------------------------------------------------------- the package
+
+def test_modules_are_modules_and_functions_are_functions():
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, types, memsave, memsave.planning, memsave.planning.policies\n"
+         "import memsave.planning as P\n"
+         "assert isinstance(P, types.ModuleType), P\n"
+         "assert 'tensorflow' not in sys.modules, 'planning loaded TensorFlow'\n"
+         "import memsave.patching\n"
+         "assert isinstance(memsave.patching, types.ModuleType)\n"
+         "assert callable(memsave.plan) and callable(memsave.patch)\n"
+         "assert not isinstance(memsave.plan, types.ModuleType)\n"
+         "assert memsave.OffloadModel is P.OffloadModel\n"],
+        capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _tf_op_names():
+    return {n for n in dir(tf.raw_ops) if n[:1].isupper()} | {"_FusedMatMul", "_FusedConv2D"}
+
+
+def test_no_tensorflow_op_names_in_the_planners():
+    ops = _tf_op_names()
+    found = []
+    for path in sorted((ROOT / "planning").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value in ops:
+                found.append("%s:%d %r" % (path.name, node.lineno, node.value))
+    assert not found, "TF op names belong in memsave/graph/optable.py: %s" % found
+    # The check is not vacuous: the op table itself is full of them.
+    table = [n.value for n in ast.walk(ast.parse((ROOT / "graph" / "optable.py").read_text()))
+             if isinstance(n, ast.Constant) and n.value in ops]
+    assert "MatMul" in table and "ReadVariableOp" in table
+
+
+def _module_imports(path):
+    """memsave modules ``path`` imports at module level (not inside functions)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memsave"):
+            found.add(node.module)
+            found.update("%s.%s" % (node.module, a.name) for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("memsave"))
+    return found
+
+
+def test_no_import_cycles():
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        g.add_node(name)
+        for target in _module_imports(path):
+            if target in modules and target != name:
+                g.add_edge(name, target)
+    # A package's __init__ re-exporting its own modules is not a cycle.
+    g.remove_edges_from([(a, b) for a, b in list(g.edges) if b.startswith(a + ".")])
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, cycles
+    assert g.has_edge("memsave.planning.optimal", "memsave.planning.strategies")
+
+
+# ------------------------------------------------------------------ the schema
+
+def _chain(n, size=MB, op_type="Tanh"):
+    g = PlanGraph()
+    g.add_tensor("x", order=-1, x=True, op_type="Placeholder")
+    prev = "x"
+    for i in range(n):
+        name = "a%d:0" % i
+        g.add_tensor(name, order=i, elements=size // 4, bytes=size, cost=float(size),
+                     op_type=op_type, candidate=True, offloadable=True)
+        g.add_edge(prev, name)
+        prev = name
+    g.add_tensor("y:0", order=n, elements=1, bytes=4, op_type="Sum", y=True)
+    g.add_edge(prev, "y:0")
+    return g
+
+
+def test_schema_refuses_what_it_does_not_know():
+    g = PlanGraph()
+    with pytest.raises(PlanGraphError, match="bites"):
+        g.add_tensor("a", order=0, bites=4)
+    with pytest.raises(PlanGraphError, match="candidate must be a bool"):
+        g.add_tensor("a", order=0, candidate="yes")
+    with pytest.raises(PlanGraphError, match="bytes must be None or an int"):
+        g.add_tensor("a", order=0, bytes=-1)
+    with pytest.raises(PlanGraphError, match="not candidates"):
+        g.add_tensor("a", order=0, y=True, candidate=True)
+    g = _chain(3)
+    g.add_edge("a2:0", "stray")          # networkx makes a bare node
+    with pytest.raises(PlanGraphError, match="'stray' lacks"):
+        g.validate()
+    g = _chain(3)
+    g.add_edge("a2:0", "a0:0")
+    with pytest.raises(PlanGraphError, match="against the topological order"):
+        g.validate()
+    raw = nx.DiGraph()
+    raw.add_node("a", order=0)
+    for strategy in (planning.optimal, planning.memory, planning.speed):
+        with pytest.raises(PlanGraphError, match="add_tensor"):
+            strategy(raw)
+    with pytest.raises(TypeError, match="PlanGraph"):
+        planning.optimal({"a": 1})
+    node = _chain(2).tensor("a1:0")
+    assert node.bytes == MB and node.candidate and not node.expensive
+
+
+def test_reducer_rule_is_one_rule():
+    """The estimator frees a split-gradient input early exactly when the rewriter
+    would order its weight gradient first: both ask memsave.planning.rules."""
+    def net(size):
+        g = PlanGraph()
+        g.add_tensor("x", order=-1, x=True)
+        g.add_tensor("w", order=0, bytes=0, input_read=True)
+        g.add_tensor("a", order=1, elements=size // 4, bytes=size, candidate=True,
+                     grad_reads_output=False)
+        g.add_tensor("m", order=2, elements=size // 4, bytes=size, candidate=True,
+                     split_gradient=True, expensive=True, grad_reads_output=False)
+        g.add_tensor("y", order=3, elements=1, bytes=4, y=True)
+        g.add_edges_from([("x", "a"), ("a", "m"), ("w", "m"), ("m", "y")])
+        return g
+
+    for size in (rules.MIN_ACTIVATION_BYTES // 2, rules.MIN_ACTIVATION_BYTES * 4):
+        g = net(size)
+        early = planning.simulate.prepare(g).early
+        assert bool(early) == rules.reducer_runs_first(size, 0, size), size
+
+
+# ------------------------------------------------------- strategies as callables
+
+def _tf_chain(graph, n=8, width=128):
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        x = tf.constant(rng.randn(128, width).astype(np.float32))   # 64 KiB activations
+        ws = [tf.Variable(rng.randn(width, width).astype(np.float32) * 0.2) for _ in range(n)]
+        h, acts = x, []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            acts.append(h)
+        return tf.reduce_sum(h * h), ws, acts
+
+
+def _same_as_plain(graph, loss, ws, grads):
+    with graph.as_default():
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            ours, theirs = sess.run([grads, plain])
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def every_third_tanh(graph):
+    """A user's strategy: keep every third Tanh output."""
+    tanhs = planning.dag.topological(graph, [n for n, d in graph.nodes(data=True)
+                                             if d["candidate"] and d["op_type"] == "Tanh"])
+    return tanhs[::3]
+
+
+def test_a_plain_function_is_a_strategy():
+    graph = tf.Graph()
+    loss, ws, acts = _tf_chain(graph)
+    with graph.as_default():
+        plan = memsave.plan(loss, ws, checkpoints=every_third_tanh)
+        assert plan.strategy == "every_third_tanh"
+        assert plan.checkpoints == [acts[i].name for i in (0, 3, 6)]
+        assert 0 < plan.estimated_peak_bytes < plan.plain_peak_bytes
+        grads = memsave.gradients(loss, ws, checkpoints=every_third_tanh)
+    _same_as_plain(graph, loss, ws, grads)
+
+
+def test_registered_names_and_policies():
+    graph = tf.Graph()
+    loss, ws, acts = _tf_chain(graph)
+    memsave.register_strategy("every_third_tanh", every_third_tanh)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            memsave.register_strategy("every_third_tanh", every_third_tanh)
+        with pytest.raises(ValueError, match="built-in"):
+            memsave.register_strategy("optimal", every_third_tanh)
+        with graph.as_default():
+            by_name = memsave.plan(loss, ws, checkpoints="every_third_tanh")
+            assert by_name.checkpoints == [acts[i].name for i in (0, 3, 6)]
+            matmuls = memsave.plan(loss, ws, checkpoints=planning.keep_op_types("MatMul"))
+            assert matmuls.checkpoints and all(
+                graph.get_tensor_by_name(n).op.type == "MatMul" for n in matmuls.checkpoints)
+            assert matmuls.checkpoints == memsave.plan(loss, ws, checkpoints="speed").checkpoints
+            named = memsave.plan(loss, ws, checkpoints=planning.keep_names(acts[2].op.name))
+            assert named.checkpoints == [acts[2].name]
+            # 'optimal' planning around a constraint; budget= reaches it.
+            free = memsave.plan(loss, ws, checkpoints="optimal")
+            banned = memsave.plan(loss, ws, checkpoints=planning.never_keep(*free.checkpoints))
+            assert not set(banned.checkpoints) & set(free.checkpoints)
+            assert banned.strategy.startswith("never_keep(")
+            pinned = memsave.plan(loss, ws, checkpoints=planning.always_keep(acts[4].name),
+                                  budget=0.6)
+            assert acts[4].name in pinned.checkpoints
+            assert pinned.estimated_peak_bytes <= 0.6 * pinned.plain_peak_bytes
+            both = memsave.plan(loss, ws, checkpoints=planning.combine(
+                "every_third_tanh", planning.keep_names(acts[1].name)))
+            assert set(both.checkpoints) == {acts[i].name for i in (0, 1, 3, 6)}
+            grads = [memsave.gradients(loss, ws, checkpoints=c) for c in (
+                "every_third_tanh", planning.keep_op_types("MatMul"),
+                planning.never_keep("Tanh"), planning.always_keep(acts[4].name))]
+    finally:
+        planning.unregister_strategy("every_third_tanh")
+    for g in grads:
+        _same_as_plain(graph, loss, ws, g)
+    with graph.as_default(), pytest.raises(ValueError, match="unknown checkpoints strategy"):
+        memsave.plan(loss, ws, checkpoints="every_third_tanh")
+
+
+def test_options_reach_strategies_that_take_them():
+    graph = tf.Graph()
+    loss, ws, _ = _tf_chain(graph)
+    seen = {}
+
+    def with_budget(graph, budget=None, min_checkpoint_size=None):
+        seen.update(budget=budget, min_checkpoint_size=min_checkpoint_size)
+        return planning.optimal(graph, budget=budget)
+
+    with graph.as_default():
+        plan = memsave.plan(loss, ws, checkpoints=with_budget, budget=0.7,
+                            min_checkpoint_size=5)
+        assert seen == {"budget": 0.7, "min_checkpoint_size": 5}
+        assert plan.estimated_peak_bytes <= 0.7 * plan.plain_peak_bytes
+        with pytest.raises(ValueError, match="budget= needs checkpoints='optimal' or a strategy"):
+            memsave.plan(loss, ws, checkpoints=every_third_tanh, budget=0.5)
+        # offload='auto' on a strategy that does not take offload= moves what it keeps.
+        moved = memsave.plan(loss, ws, checkpoints=every_third_tanh, offload="auto")
+        assert moved.offloaded == moved.checkpoints
+
+
+@pytest.mark.parametrize("result, message", [
+    (None, "returned None"),
+    (3, "returned 3"),
+    ("a0:0", "returned 'a0:0'"),
+    (["no/such:0"], "not tensors between xs and ys: no/such:0"),
+    ([7], "returned 7 among its names"),
+])
+def test_a_strategy_that_returns_nonsense_is_refused(result, message):
+    graph = tf.Graph()
+    loss, ws, _ = _tf_chain(graph)
+    with graph.as_default(), pytest.raises(StrategyError, match=message):
+        memsave.gradients(loss, ws, checkpoints=lambda graph: result)
+
+
+def test_policies_check_their_arguments():
+    with pytest.raises(ValueError, match="at least one"):
+        planning.keep_names()
+    with pytest.raises(TypeError, match="selector"):
+        planning.never_keep(3)
+    with pytest.raises(TypeError, match="op types"):
+        planning.keep_op_types(None)
+    with pytest.raises(ValueError, match="at least two"):
+        planning.combine("optimal")
+    with pytest.raises(ValueError, match="unknown checkpoints strategy 'fastest'"):
+        planning.never_keep("Tanh", then="fastest")(_chain(4))
+    with pytest.raises(TypeError, match="callable"):
+        memsave.register_strategy("x", "optimal")
+
+
+def test_policies_on_a_planning_graph():
+    g = _chain(12)
+    plain = simulate_peak(g, ())
+    by_index = planning.never_keep(lambda name, node: node.order % 2 == 0)
+    plan = planning.run(by_index, g)
+    assert plan.checkpoints and all(g.nodes[n]["order"] % 2 for n in plan.checkpoints)
+    assert plan.estimated_peak_bytes < plain
+    assert planning.run(lambda graph: [], g).checkpoints == []
