@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memsave-installed
 
-.PHONY: demo test test-fast test-all bench clean
+.PHONY: demo test test-fast test-all bench docs clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.reversible
 	$(PY) examples/unet.py
 	$(PY) examples/keras_fit.py
+
+# Copy benchmarks/results/*.md into the tables of README.md and docs/*.md.
+docs:
+	$(PYTHON) -m benchmarks.tables
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
