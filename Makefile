@@ -24,9 +24,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
-# Without the real-model conformance suite (tests/test_real_models.py).
+# For development: without the real-model conformance suite and the tests
+# marked heavy (under 3 minutes on 2 cores; CI runs them all with `make test`).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not real_models and not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not real_models and not slow and not heavy" tests
 
 # Every benchmark behind the README's figures (about 17 minutes on 2 cores).
 bench: $(STAMP)

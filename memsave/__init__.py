@@ -26,8 +26,8 @@ _LAZY = {
     "patch": "memsave.patching", "unpatch": "memsave.patching",
     "GradientTape": "memsave.tape",
 }
-_SUBMODULES = ("api", "graph", "keras", "patching", "planning", "profile", "reversible",
-               "rewrite", "tape")
+_SUBMODULES = ("api", "graph", "keras", "log", "options", "patching", "planning", "profile",
+               "reversible", "rewrite", "tape", "tf_internal")
 
 
 def __getattr__(name):

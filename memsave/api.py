@@ -2,13 +2,9 @@
 
 import logging
 
-from tensorflow.python.autograph.impl.api import do_not_convert
-from tensorflow.python.framework import indexed_slices
-from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.framework import config as tf_config
-from tensorflow.python.framework import tensor as tf_tensor
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+import tensorflow as tf
 
+from memsave import tf_internal
 from memsave.errors import GradientMismatchError
 from memsave.planning import registry
 from memsave.planning import strategies as planning
@@ -58,12 +54,12 @@ def _as_list(value):
 
 
 def _check_graph_tensor(t, what):
-    if isinstance(t, tf_ops.EagerTensor):
+    if isinstance(t, tf_internal.EagerTensor):
         raise TypeError(
             "memsave.gradients got an eager tensor in %s; it rewrites graphs, so call it "
             "inside a tf.function or a tf.compat.v1 Graph (for eager code, wrap the "
             "training step in tf.function)." % what)
-    if not isinstance(t, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
+    if not isinstance(t, (tf.Tensor, tf.IndexedSlices)):
         raise TypeError("%s must hold tf.Tensor objects, got %r" % (what, t))
 
 
@@ -77,18 +73,18 @@ def _as_ys(ys):
     ys = _as_list(ys)
     if not ys:
         return ys
-    graphs = [y.graph for y in ys if isinstance(y, (tf_tensor.Tensor, indexed_slices.IndexedSlices))
-              and not isinstance(y, tf_ops.EagerTensor)]
-    graph = graphs[0] if graphs else tf_ops.get_default_graph()
+    graphs = [y.graph for y in ys if isinstance(y, (tf.Tensor, tf.IndexedSlices))
+              and not isinstance(y, tf_internal.EagerTensor)]
+    graph = graphs[0] if graphs else tf.compat.v1.get_default_graph()
     out = []
     with graph.as_default():
         for y in ys:
-            if isinstance(y, tf_ops.EagerTensor) or isinstance(
-                    y, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
+            if isinstance(y, tf_internal.EagerTensor) or isinstance(
+                    y, (tf.Tensor, tf.IndexedSlices)):
                 out.append(y)   # checked, with a clear message, by _validate
                 continue
             try:
-                out.append(tf_ops.convert_to_tensor(y, name="y"))
+                out.append(tf.convert_to_tensor(y, name="y"))
             except (TypeError, ValueError) as e:
                 raise TypeError("ys must hold tensors, variables or numbers, got %r (%s)"
                                 % (y, e)) from None
@@ -101,7 +97,7 @@ def _tf_gradients_options(kwargs):
     if "unconnected_gradients" in kwargs:
         value = kwargs["unconnected_gradients"]
         try:
-            kwargs["unconnected_gradients"] = UnconnectedGradients(value)
+            kwargs["unconnected_gradients"] = tf.UnconnectedGradients(value)
         except ValueError:
             raise ValueError("unknown value for unconnected_gradients: %r; use 'none' or "
                              "'zero' (tf.UnconnectedGradients)" % (value,)) from None
@@ -131,13 +127,13 @@ def _validate(ys, xs, grad_ys):
 def _resolve_xs(xs, graph):
     resolved = []
     for x in xs:
-        if isinstance(x, tf_ops.EagerTensor):
+        if isinstance(x, tf_internal.EagerTensor):
             _check_graph_tensor(x, "xs")
         try:
             t = graph_tensor(x, graph)
         except ValueError as e:
             raise ValueError("memsave.gradients: %s" % e) from None
-        if not isinstance(t, tf_tensor.Tensor):
+        if not isinstance(t, tf.Tensor):
             raise TypeError("xs must hold tf.Tensor or tf.Variable objects, got %r" % (x,))
         if t.graph is not graph:
             raise ValueError("memsave.gradients: x %s is not in the graph of ys (%s)"
@@ -154,9 +150,9 @@ def _resolve_grad_ys(grad_ys, ys, graph):
         if g is None:
             out.append(None)
             continue
-        if isinstance(g, tf_ops.EagerTensor) or not isinstance(
-                g, (tf_tensor.Tensor, indexed_slices.IndexedSlices)):
-            g = tf_ops.convert_to_tensor(g, dtype=y.dtype)
+        if isinstance(g, tf_internal.EagerTensor) or not isinstance(
+                g, (tf.Tensor, tf.IndexedSlices)):
+            g = tf.convert_to_tensor(g, dtype=y.dtype)
         if g.graph is not graph:
             raise ValueError("memsave.gradients: grad_ys for %s is in another graph" % y.name)
         out.append(g)
@@ -166,7 +162,7 @@ def _resolve_grad_ys(grad_ys, ys, graph):
 def _explicit_checkpoints(items, graph, region):
     tensors = []
     for t in items:
-        if isinstance(t, tf_ops.Operation) or not isinstance(t, tf_tensor.Tensor):
+        if isinstance(t, tf.Operation) or not isinstance(t, tf.Tensor):
             raise TypeError("checkpoints must be tf.Tensor objects, got %r" % (t,))
         if t.graph is not graph:
             raise ValueError("checkpoint %s is in another graph than ys" % t.name)
@@ -193,7 +189,7 @@ def _offload_names(offload, region):
     """Tensor names a user asked to offload, or a clear error."""
     names = []
     for t in offload:
-        if not isinstance(t, tf_tensor.Tensor) or isinstance(t, tf_ops.EagerTensor):
+        if not isinstance(t, tf.Tensor) or isinstance(t, tf_internal.EagerTensor):
             raise TypeError("offload must be 'auto' or a list of graph tensors, got %r" % (t,))
         if t.graph is not region.graph:
             raise ValueError("offloaded tensor %s is in another graph than ys" % t.name)
@@ -279,7 +275,7 @@ def _listed_checkpoints(region, checkpoints):
 
 # Graph rewriting is plain Python: autograph must not convert it when it is
 # called inside a tf.function.
-@do_not_convert
+@tf.autograph.experimental.do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
               budget=None, max_recompute=None, batch_size=None, shapes=None, offload=None,
               swapin_ahead=1, swapin_groupby=5,
@@ -370,7 +366,7 @@ def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):
     gradient): only then is ``tf.gradients`` asked, for those xs alone (its
     ops are built but never run).
     """
-    if kwargs.get("unconnected_gradients") == UnconnectedGradients.ZERO:
+    if kwargs.get("unconnected_gradients") == tf.UnconnectedGradients.ZERO:
         return
     stops = kwargs.get("stop_gradients") or []
     extra, doubtful = [], []
@@ -394,7 +390,7 @@ def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):
 
 def _say_if_offloading_is_a_no_op(swap):
     """Offloading only saves memory when the host is not the device itself."""
-    if tf_config.list_physical_devices("GPU"):
+    if tf.config.list_physical_devices("GPU"):
         return
     logger.info("memsave: no GPU, so host and device memory are the same: offloading %d "
                 "tensor(s) to %s inserts the swap ops but saves no memory here",
@@ -416,7 +412,7 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 
-@do_not_convert
+@tf.autograph.experimental.do_not_convert
 def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None,
          offload=None, swapin_ahead=1, host_bandwidth=DEFAULT_HOST_BANDWIDTH,
          device_flops=DEFAULT_DEVICE_FLOPS, shapes=None, max_recompute=None):

@@ -2,7 +2,7 @@
 
 ``memsave.keras.enable(model)`` wraps the model's ``train_step`` so that,
 while it is traced, ``tf.GradientTape.gradient`` computes gradients with
-:func:`memsave.gradients` (see :func:`memsave.tape.scope`). Keras' own
+:func:`memsave.gradients` (see :func:`memsave.patching.scope`). Keras' own
 ``train_step`` (or the model's custom one) runs unchanged: the forward pass,
 loss scaling by ``optimizer.scale_loss`` (``LossScaleOptimizer``,
 ``mixed_float16``), the optimizer update and the metrics are Keras' code;
@@ -32,7 +32,8 @@ import logging
 import keras
 import tensorflow as tf
 
-from memsave import tape as _tape
+from memsave import patching
+from memsave.options import DEFAULT_CHECKPOINTS, Config, renamed_strategy
 
 logger = logging.getLogger("memsave")
 
@@ -142,10 +143,10 @@ def enable(model, checkpoints="optimal", **kwargs):
     (``min_checkpoint_size``, ``budget``, ...) may be given as keywords.
     Enabling again replaces the settings. Returns the model.
     """
-    checkpoints = _tape.renamed_strategy(checkpoints, kwargs, "memsave.keras.enable")
+    checkpoints = renamed_strategy(checkpoints, kwargs, "memsave.keras.enable")
     _check_backend()
     _check_model(model)
-    config = _tape.Config.make(checkpoints, **kwargs)
+    config = Config.make(checkpoints, **kwargs)
     if model.__dict__.get("_jit_compile") is True and not getattr(model, "run_eagerly", False):
         raise ValueError(JIT_MESSAGE)   # compiled already; else checked when tracing
     state = model.__dict__.get(_ATTR)
@@ -160,8 +161,8 @@ def enable(model, checkpoints="optimal", **kwargs):
         state = model.__dict__[_ATTR]
         settings = state["config"]
         _check_jit(model)
-        with _tape.scope(settings.checkpoints, settings.min_checkpoint_size,
-                         **_options(settings, state, model)):
+        with patching.scope(settings.checkpoints, settings.min_checkpoint_size,
+                            **_options(settings, state, model)):
             return original(data)
 
     object.__setattr__(model, _ATTR, {"original": original, "config": config})
@@ -201,7 +202,7 @@ class MemorySavingModel:
     (``memsave_strategy``, the old name, is still read).
     """
 
-    memsave_checkpoints = _tape.DEFAULT_CHECKPOINTS
+    memsave_checkpoints = DEFAULT_CHECKPOINTS
     memsave_min_checkpoint_size = 1024
     memsave_options = {}   # further memsave.gradients options, e.g. {"budget": 0.3}
 
@@ -217,9 +218,9 @@ class MemorySavingModel:
         _check_backend()
         _check_jit(self)
         checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
-        config = _tape.Config.make(checkpoints, self.memsave_min_checkpoint_size,
-                                   **self.memsave_options)
+        config = Config.make(checkpoints, self.memsave_min_checkpoint_size,
+                             **self.memsave_options)
         state = {"data_batch": getattr(self, "_memsave_data_batch", None)}
-        with _tape.scope(config.checkpoints, config.min_checkpoint_size,
-                         **_options(config, state, self)):
+        with patching.scope(config.checkpoints, config.min_checkpoint_size,
+                            **_options(config, state, self)):
             return super().train_step(data)

@@ -1,42 +1,81 @@
-"""Route TensorFlow's own gradient entry points through memsave.
+"""Every function memsave replaces inside TensorFlow, and how replacements nest.
 
-``memsave.patch(strategy)`` replaces ``tf.gradients``,
-``tf.compat.v1.gradients``, the ``gradients_impl`` functions and
-``tensorflow.python.ops.gradients.gradients`` (which
-``tf.compat.v1.train.Optimizer`` calls), so existing code gets checkpointed
-gradients without edits. ``memsave.unpatch()`` puts back the very same
-function objects. memsave itself differentiates through TensorFlow's
-internal helper, below every patch point, so patching cannot recurse.
+Two kinds of patch points live here, in one module because they share one
+lock, one rule ("the settings on top are in force") and one promise (the
+very same original objects come back):
 
-``memsave.patch(strategy, tape=True)`` also replaces
-``tf.GradientTape.gradient`` (see :mod:`memsave.tape`), so Keras and other
-tape-based training loops get checkpointed gradients inside ``tf.function``.
+* ``tf.gradients``, ``tf.compat.v1.gradients``, the ``gradients_impl``
+  functions and ``tensorflow.python.ops.gradients.gradients`` (which
+  ``tf.compat.v1.train.Optimizer`` calls; those TF modules come from
+  :data:`memsave.tf_internal.PATCHABLE_MODULES`), routed to
+  :func:`memsave.gradients`;
+* ``tf.GradientTape.gradient``, routed to :func:`memsave.tape.tape_gradient`
+  (``jacobian``/``batch_jacobian`` are wrapped so their per-row gradients
+  stay TensorFlow's, see :func:`memsave.tape.bypass`).
+
+:func:`patch` pushes a level (strategy, options, whether tapes are routed
+and with which :class:`~memsave.options.Config`) on a process-wide stack;
+the top level is in force. Leaving a ``with memsave.patch(...)`` block
+removes exactly that block's level, so the level below is in force again,
+tapes included; when the stack is empty the original functions are back.
+A bare ``memsave.patch(...)`` (no ``with``) pushes a level that stays until
+:func:`unpatch`, which clears the whole stack.
+
+The stack is shared by all threads. :func:`scope` is the per-thread
+alternative for tapes (what :mod:`memsave.keras` uses): on its thread it
+wins over the stack, other threads do not see it.
+
+memsave itself differentiates through TensorFlow's internal helper, below
+every patch point, so patching cannot recurse. :mod:`memsave.tape`
+translates one tape call and holds no process state; this module imports
+it, never the reverse.
 """
 
+import contextlib
+import dataclasses
 import functools
-import importlib
-import logging
+import threading
 
 import tensorflow as tf
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.autograph.experimental import do_not_convert
 
 from memsave import api
 from memsave import tape as _tape
+from memsave import tf_internal
+from memsave.log import logger
+from memsave.options import DEFAULT_CHECKPOINTS, Config, config_kwargs, renamed_strategy
 
-logger = logging.getLogger("memsave")
-
-# (module name, attribute, signature) of every patch point.
+# (module name, attribute, signature) of every tf.gradients patch point. The
+# names other than "tensorflow" and "tensorflow.compat.v1" are keys of
+# tf_internal.PATCHABLE_MODULES (TensorFlow's gradients_impl and gradients modules).
 _V1, _V2 = "v1", "v2"
 _POINTS = (
     ("tensorflow", "gradients", _V2),
     ("tensorflow.compat.v1", "gradients", _V1),
-    ("tensorflow.python.ops.gradients_impl", "gradients", _V1),
-    ("tensorflow.python.ops.gradients_impl", "gradients_v2", _V2),
-    ("tensorflow.python.ops.gradients", "gradients", _V1),
+    ("gradients_impl", "gradients", _V1),
+    ("gradients_impl", "gradients_v2", _V2),
+    ("gradients", "gradients", _V1),
 )
+_TAPE_POINTS = ("gradient", "jacobian", "batch_jacobian")
 
-_originals = {}   # (module name, attribute) -> original object
-_state = {"strategy": None, "kwargs": {}, "calls": 0}
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Level:
+    """One :func:`patch` call's settings (compared by identity: each call is its own level)."""
+
+    strategy: object
+    kwargs: dict
+    tape: Config = None      # None: tapes are not routed at this level
+
+
+# Everything below is guarded by _lock (re-entrant: _apply runs under it).
+_lock = threading.RLock()
+_stack = []              # Levels, bottom first; the top one is in force
+_originals = {}          # (module name, attribute) -> TF's own, while patched
+_tape_originals = {}     # GradientTape attribute -> TF's own, while tapes are routed
+_counts = {"calls": 0, "scopes": 0}   # routed tf.gradients calls; open scope()s
+
+_local = threading.local()   # .configs: this thread's scope() stack
 
 
 def _module(name):
@@ -44,31 +83,46 @@ def _module(name):
         return tf
     if name == "tensorflow.compat.v1":
         return tf.compat.v1
-    return importlib.import_module(name)
+    return tf_internal.PATCHABLE_MODULES[name]
 
 
 def call_count():
     """How many gradient calls the patch has routed through memsave."""
-    return _state["calls"]
+    return _counts["calls"]
 
 
 def is_patched():
+    """True while ``tf.gradients`` and friends are memsave's."""
     return bool(_originals)
 
 
-def _route(ys, xs, grad_ys, name, kwargs):
-    _state["calls"] += 1
+def current():
+    """The :class:`Level` in force now (the top of the stack), or None."""
+    with _lock:
+        return _stack[-1] if _stack else None
+
+
+# ---------------------------------------------------------------------------
+# tf.gradients and friends.
+
+def _route(original, ys, xs, grad_ys, name, kwargs):
+    level = current()
+    if level is None:
+        # A wrapper someone kept a reference to after unpatch(): TF's answer.
+        return original(ys, xs, grad_ys=grad_ys, name=name, **kwargs)
+    with _lock:
+        _counts["calls"] += 1
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return api.gradients(ys, xs, grad_ys, checkpoints=_state["strategy"], name=name,
-                         **_state["kwargs"], **kwargs)
+    return api.gradients(ys, xs, grad_ys, checkpoints=level.strategy, name=name,
+                         **level.kwargs, **kwargs)
 
 
 def _make_v1(original):
     @functools.wraps(original)
     def gradients(ys, xs, grad_ys=None, name="gradients", colocate_gradients_with_ops=False,
                   gate_gradients=False, aggregation_method=None, stop_gradients=None,
-                  unconnected_gradients=UnconnectedGradients.NONE):
-        return _route(ys, xs, grad_ys, name, dict(
+                  unconnected_gradients=tf.UnconnectedGradients.NONE):
+        return _route(original, ys, xs, grad_ys, name, dict(
             colocate_gradients_with_ops=colocate_gradients_with_ops,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
@@ -80,59 +134,184 @@ def _make_v2(original):
     @functools.wraps(original)
     def gradients(ys, xs, grad_ys=None, name="gradients", gate_gradients=False,
                   aggregation_method=None, stop_gradients=None,
-                  unconnected_gradients=UnconnectedGradients.NONE):
-        return _route(ys, xs, grad_ys, name, dict(
+                  unconnected_gradients=tf.UnconnectedGradients.NONE):
+        return _route(original, ys, xs, grad_ys, name, dict(
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
     gradients.__memsave_original__ = original
     return gradients
 
 
+def _patch_points():
+    if _originals:
+        return
+    for module_name, attr, signature in _POINTS:
+        module = _module(module_name)
+        original = getattr(module, attr)
+        _originals[(module_name, attr)] = original
+        setattr(module, attr, (_make_v1 if signature == _V1 else _make_v2)(original))
+
+
+def _restore_points():
+    while _originals:
+        (module_name, attr), original = _originals.popitem()
+        setattr(_module(module_name), attr, original)
+
+
+# ---------------------------------------------------------------------------
+# Plain tf.GradientTape objects.
+
+def _scopes():
+    if not hasattr(_local, "configs"):
+        _local.configs = []
+    return _local.configs
+
+
+def active_config():
+    """The config plain tapes use on this thread now, or None."""
+    if _tape.bypassed():
+        return None
+    configs = _scopes()
+    if configs:
+        return configs[-1]
+    level = current()
+    return level.tape if level is not None else None
+
+
+@do_not_convert
+def _patched_gradient(self, target, sources, output_gradients=None,
+                      unconnected_gradients=tf.UnconnectedGradients.NONE):
+    config = active_config()
+    if config is None:
+        return _tape.TF_GRADIENT(self, target, sources, output_gradients, unconnected_gradients)
+    return _tape.tape_gradient(self, config, target, sources, output_gradients,
+                               unconnected_gradients)
+
+
+_patched_gradient.__doc__ = _tape.TF_GRADIENT.__doc__
+_patched_gradient.__memsave_original__ = _tape.TF_GRADIENT
+
+
+def _patched_jacobian(original):
+    @functools.wraps(original)
+    def jacobian(self, *args, **kwargs):
+        with _tape.bypass():
+            return original(self, *args, **kwargs)
+    jacobian.__memsave_original__ = original
+    return jacobian
+
+
+def _sync_tapes():
+    """Route tapes while the top level asks for it or a scope is open, else restore."""
+    wanted = (bool(_stack) and _stack[-1].tape is not None) or _counts["scopes"] > 0
+    cls = tf.GradientTape
+    if wanted and not _tape_originals:
+        for name in _TAPE_POINTS:
+            _tape_originals[name] = cls.__dict__[name]
+        cls.gradient = _patched_gradient
+        cls.jacobian = _patched_jacobian(_tape_originals["jacobian"])
+        cls.batch_jacobian = _patched_jacobian(_tape_originals["batch_jacobian"])
+    elif not wanted:
+        while _tape_originals:
+            name, original = _tape_originals.popitem()
+            setattr(cls, name, original)
+
+
+@contextlib.contextmanager
+def scope(checkpoints=DEFAULT_CHECKPOINTS, min_checkpoint_size=1024, **options):
+    """Within the block, on this thread, ``tf.GradientTape.gradient`` uses memsave.
+
+    Other threads are not affected. ``tf.GradientTape.gradient`` is patched
+    while any scope is open (or a ``patch(tape=True)`` level is in force)
+    and restored afterwards.
+    """
+    config = Config.make(checkpoints, min_checkpoint_size, **options)
+    with _lock:
+        _counts["scopes"] += 1
+        _sync_tapes()
+    configs = _scopes()
+    configs.append(config)
+    try:
+        yield config
+    finally:
+        configs.pop()
+        with _lock:
+            _counts["scopes"] -= 1
+            _sync_tapes()
+
+
+# ---------------------------------------------------------------------------
+# The stack.
+
+def _apply():
+    """Make TensorFlow match the top of the stack (the caller holds _lock)."""
+    if _stack:
+        _patch_points()
+    else:
+        _restore_points()
+    _sync_tapes()
+
+
+def _remove(level):
+    with _lock:
+        for i in range(len(_stack) - 1, -1, -1):
+            if _stack[i] is level:
+                del _stack[i]
+                _apply()
+                logger.debug("memsave.patch: left strategy %r; %d level(s) remain",
+                             level.strategy, len(_stack))
+                return
+        # unpatch() already removed it: nothing to undo.
+
+
 class _Patch:
-    """Returned by :func:`patch`; leaving its ``with`` block unpatches."""
+    """Returned by :func:`patch`; leaving its ``with`` block removes its own level."""
+
+    def __init__(self, level):
+        self.level = level
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        unpatch()
+        _remove(self.level)
         return False
 
 
-def patch(checkpoints=_tape.DEFAULT_CHECKPOINTS, tape=False, **kwargs):
+def patch(checkpoints=DEFAULT_CHECKPOINTS, tape=False, **kwargs):
     """Make TensorFlow's gradient functions use memsave with ``checkpoints``.
 
     ``checkpoints`` is anything ``memsave.gradients`` accepts ('optimal' by
     default); extra keyword arguments (e.g. ``min_checkpoint_size``) are
     passed along. With ``tape=True`` ``tf.GradientTape.gradient`` is
     replaced too (tapes take the planning options, e.g.
-    ``min_checkpoint_size``). Usable as a context manager. Patching again
-    only changes the strategy (and whether tapes are patched).
+    ``min_checkpoint_size``).
+
+    Each call pushes a level; the newest is in force. As a context manager
+    the level is removed when the block is left (also on an exception) and
+    the previous settings come back. Called bare, the level stays until
+    :func:`unpatch`.
     """
-    strategy = _tape.renamed_strategy(checkpoints, kwargs, "memsave.patch")
-    if isinstance(strategy, str) and strategy not in api.STRATEGIES:
-        raise ValueError("unknown strategy %r; use one of %s" % (strategy, ", ".join(api.STRATEGIES)))
-    _state["strategy"] = strategy
-    _state["kwargs"] = dict(kwargs)
-    if not _originals:
-        for module_name, attr, signature in _POINTS:
-            module = _module(module_name)
-            original = getattr(module, attr)
-            _originals[(module_name, attr)] = original
-            setattr(module, attr, (_make_v1 if signature == _V1 else _make_v2)(original))
-        logger.info("memsave: tf.gradients and friends now use strategy %r", strategy)
-    if tape:
-        _tape.install(strategy, **_tape.config_kwargs(kwargs))
-    else:
-        _tape.uninstall()
-    return _Patch()
+    strategy = renamed_strategy(checkpoints, kwargs, "memsave.patch")
+    api.check_checkpoints(strategy)
+    tape_config = Config.make(strategy, **config_kwargs(kwargs)) if tape else None
+    level = Level(strategy, dict(kwargs), tape_config)
+    with _lock:
+        _stack.append(level)
+        _apply()
+        depth = len(_stack)
+    logger.info("memsave: tf.gradients and friends%s now use checkpoints=%r (patch level %d)",
+                " and tf.GradientTape" if tape else "", strategy, depth)
+    return _Patch(level)
 
 
 def unpatch():
-    """Restore the original functions (the same objects). Safe to call twice."""
-    while _originals:
-        (module_name, attr), original = _originals.popitem()
-        setattr(_module(module_name), attr, original)
-    _state["strategy"] = None
-    _state["kwargs"] = {}
-    _tape.uninstall()
+    """Clear every :func:`patch` level and put back the original functions.
+
+    Safe to call twice, and inside ``with memsave.patch(...)`` blocks (leaving
+    them afterwards changes nothing). Tapes stay routed while a
+    :func:`scope` is open and are restored when the last one closes.
+    """
+    with _lock:
+        _stack.clear()
+        _apply()

@@ -69,8 +69,8 @@ import numbers
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.autograph.impl.api import do_not_convert
-from tensorflow.python.eager import record
+
+from memsave import tf_internal
 
 logger = logging.getLogger("memsave")
 
@@ -572,7 +572,7 @@ class ReversibleSequence(tf.Module):
 
     # The blocks are plain TensorFlow ops; AutoGraph conversion would only
     # slow tracing down (and warn about the lambdas below).
-    @do_not_convert
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, x, *, store_activations=False):
         x = tf.convert_to_tensor(x)
         if not x.dtype.is_floating:
@@ -605,7 +605,7 @@ class ReversibleSequence(tf.Module):
             total = tf.zeros(tf.shape(h)[:1], dtype=h.dtype)
         return h, total
 
-    @do_not_convert
+    @tf.autograph.experimental.do_not_convert
     def inverse(self, y):
         """Run every block's inverse, last to first (all blocks must be invertible)."""
         plain = [b for b in self._layers if not isinstance(b, InvertibleBlock)]
@@ -668,7 +668,7 @@ class ReversibleSequence(tf.Module):
         def reversible_run(x):
             # Nothing inside is recorded on any tape: the gradient below
             # recomputes what it needs, so no tape may keep these tensors.
-            with record.stop_recording():
+            with tf_internal.stop_recording():
                 h, total = x, None
                 errors, saved, flags = [], [], []
                 if checking:

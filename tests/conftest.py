@@ -32,6 +32,20 @@ def _rewrite_even_where_it_does_not_pay(request, monkeypatch):
     monkeypatch.setattr(api, "FALLBACK_TO_PLAIN", False)
 
 
+@pytest.fixture
+def tanh_chain():
+    """``tests.builders.tanh_chain``: a seeded tanh(matmul) chain in a tf.Graph."""
+    from tests import builders   # pylint: disable=import-outside-toplevel
+    return builders.tanh_chain
+
+
+@pytest.fixture
+def plan_chain():
+    """``tests.builders.plan_chain``: the same chain as a planning graph."""
+    from tests import builders   # pylint: disable=import-outside-toplevel
+    return builders.plan_chain
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "real_models: Keras applications and keras-hub models against the plain "
@@ -42,3 +56,22 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: left out of `make test` to keep CI under 15 minutes; "
         "`make test-all` runs them")
+    config.addinivalue_line(
+        "markers", "heavy: in `make test` (CI) but left out of `make test-fast`, the "
+        "tier for development (measured peaks, deep graphs, benchmarks, subprocesses)")
+
+
+# Parametrized cases that are heavy while their siblings are not:
+# (test function, substring of the case id).
+HEAVY_CASES = (
+    ("test_gradients_equal_plain", "chain100"),
+    ("test_gradients_equal_plain_tape", "-32]"),
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if any(name == fn and case in item.name for fn, case in HEAVY_CASES):
+            item.add_marker(pytest.mark.heavy)

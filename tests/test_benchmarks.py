@@ -14,6 +14,7 @@ def _run(args, tmp_path):
     return out.stdout
 
 
+@pytest.mark.heavy
 def test_depth_benchmark_tiny(tmp_path):
     stdout = _run(["benchmarks.depth", "--depths", "4", "8", "--repeats", "1", "--stem", "t"],
                   tmp_path)

@@ -3,9 +3,12 @@
 import json
 import numbers
 
+import pytest
+
 from benchmarks import models, rewrite_speed
 
 
+@pytest.mark.heavy
 def test_models_benchmark_tiny(tmp_path):
     result = models.run(quick=True, tiny=True, out_dir=tmp_path, log=None)
     data = json.loads((tmp_path / "models.json").read_text())
@@ -31,6 +34,7 @@ def test_models_benchmark_tiny(tmp_path):
     assert result["markdown"] == (tmp_path / "models.md").read_text()
 
 
+@pytest.mark.heavy
 def test_rewrite_speed_benchmark_tiny(tmp_path):
     rewrite_speed.run(quick=True, out_dir=tmp_path, sizes=[200, 400], runs=1, log=None)
     data = json.loads((tmp_path / "rewrite_speed.json").read_text())

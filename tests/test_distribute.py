@@ -262,6 +262,7 @@ REPLICA_DEVICE = {0: "/job:localhost/replica:0/task:0/device:CPU:1",
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
+@pytest.mark.heavy
 def test_mirrored_custom_loop_rewrites_per_replica_and_keeps_swaps_on_replica_devices():
     """Two replicas (logical CPU:1 and CPU:2): memsave.GradientTape in strategy.run.
 
@@ -349,6 +350,7 @@ print("RESULT " + json.dumps(dict(diff=diff, calls=calls, plain_loss=plain_loss,
 '''
 
 
+@pytest.mark.heavy
 def test_mirrored_keras_fit_equals_plain_fit():
     """memsave.keras.enable inside the MirroredStrategy scope (two logical CPUs):
     fit's weights after 2 epochs equal plain fit's, and the train step is
@@ -429,6 +431,7 @@ print("RESULT " + json.dumps(dict(
 '''
 
 
+@pytest.mark.heavy
 def test_multi_worker_custom_loop_equals_plain():
     """Two local MultiWorkerMirroredStrategy workers, strategy.run of a step with
     memsave.GradientTape, all_reduce, assign_sub: the weights after 3 steps

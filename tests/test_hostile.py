@@ -17,23 +17,14 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from tests.builders import tanh_chain
 
 RTOL = 1e-5
 
 
 def _chain(n=6, graph=None):
-    graph = graph or tf.Graph()
-    with graph.as_default():
-        rng = np.random.RandomState(0)
-        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.4, name="w%d" % i)
-              for i in range(n)]
-        x = tf.constant(rng.randn(4, 8).astype(np.float32), name="x")
-        h, hs = x, []
-        for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-            hs.append(h)
-        loss = tf.reduce_sum(h * h)
-    return graph, x, ws, hs, loss
+    c = tanh_chain(n, scale=0.4, graph=graph)
+    return c.graph, c.x, c.ws, c.hs, c.loss
 
 
 def _assert_equal_grads(sess, plain, ours, feed=None):

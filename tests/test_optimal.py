@@ -74,6 +74,7 @@ UNET_BN = lambda: models.UNet(levels=4, batch=4, size=64, channels=8, norm=True)
 DENSE = lambda: models.DenseBlock(layers=32, batch=1024, width=64, growth=64)  # noqa: E731
 
 
+@pytest.mark.heavy
 def test_chain400_optimal():
     ours, plan = _measure(lambda: _chain(400), "optimal")
     print("\nchain n=400, optimal: %.1f activations (bound 50); plan: %s"
@@ -81,6 +82,7 @@ def test_chain400_optimal():
     assert ours <= 2.5 * np.sqrt(400) * ACTIVATION
 
 
+@pytest.mark.heavy
 def test_dense_block_optimal():
     plain, _ = _measure(_model(DENSE))
     ours, _ = _measure(_model(DENSE), "optimal")
@@ -111,6 +113,7 @@ def test_unet_optimal_beats_plain_and_memory(name, build, cut, unet_measurable):
 # segment), so its budget is a larger fraction of plain than the chain's.
 @pytest.mark.parametrize("name,build,fraction", [("chain", lambda: _chain(100), 0.5),
                                                  ("unet", _model(UNET), 0.65)])
+@pytest.mark.heavy
 def test_budget_is_respected(name, build, fraction, request):
     if name == "unet":
         request.getfixturevalue("unet_measurable")
@@ -141,6 +144,7 @@ def test_budget_too_small_states_the_minimum():
     ("resnet", lambda: _resnet(100), "optimal"), ("resnet", lambda: _resnet(100), "memory"),
     ("unet", _model(UNET), "optimal"), ("unet-bn", _model(UNET_BN), "optimal"),
 ])
+@pytest.mark.heavy
 def test_estimator_within_25_percent(name, build, strategy, request):
     if name.startswith("unet"):
         request.getfixturevalue("unet_measurable")

@@ -1,11 +1,16 @@
-"""memsave.patch routes TensorFlow's gradient functions through memsave."""
+"""memsave.patch routes TensorFlow's gradient functions through memsave, and nests."""
+
+import threading
 
 import numpy as np
+import pytest
 import tensorflow as tf
+from tensorflow.python.eager import backprop
 from tensorflow.python.ops import gradients as gradients_module
 from tensorflow.python.ops import gradients_impl
 
 import memsave
+from memsave import api, patching
 from memsave.patching import call_count
 from memsave.profile import peak_memory, session_step
 from tests.test_memory import ACTIVATION, _chain
@@ -69,6 +74,7 @@ def test_patched_tf_gradients_matches_plain():
         np.testing.assert_allclose(p, r, atol=1e-6)
 
 
+@pytest.mark.heavy
 def test_import_patches_nothing():
     """A fresh interpreter: importing memsave leaves TF and Python settings alone."""
     import subprocess
@@ -89,3 +95,179 @@ def test_import_patches_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "clean" in out.stdout
+
+
+# ------------------------------------------------------------------ nesting
+
+TAPE_POINTS = ("gradient", "jacobian", "batch_jacobian")
+
+
+@pytest.fixture(autouse=True)
+def _unpatched_after():
+    """A failing test must not leave TensorFlow patched for the next one."""
+    yield
+    memsave.unpatch()
+
+
+@pytest.fixture
+def rewrites(monkeypatch):
+    """The checkpoints and min_checkpoint_size of each memsave.gradients call."""
+    calls = []
+    original = api.gradients
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("checkpoints"), kwargs.get("min_checkpoint_size")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "gradients", recording)
+    return calls
+
+
+def _points():
+    return [getattr(m, a) for m, a in POINTS]
+
+
+def _tape_points():
+    return [backprop.GradientTape.__dict__[name] for name in TAPE_POINTS]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _small_graph():
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.3) for _ in range(6)]
+        h = tf.constant(rng.randn(4, 8).astype(np.float32))
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h)
+    return graph, loss, ws
+
+
+def _tape_step(ws):
+    """A fresh tf.function (so it traces now) taking a plain tf.GradientTape's gradient."""
+    @tf.function
+    def f():
+        h = tf.ones([4, 8])
+        with tf.GradientTape() as tape:
+            for w in ws:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h)
+        return tape.gradient(loss, ws)
+    return f()
+
+
+def test_nested_blocks_restore_the_outer_level(rewrites):
+    originals = _points()
+    graph, loss, ws = _small_graph()
+    with graph.as_default():
+        with memsave.patch("memory", min_checkpoint_size=0):
+            outer = _points()
+            tf.gradients(loss, ws)
+            with memsave.patch("speed"):
+                tf.gradients(loss, ws)
+                assert patching.current().strategy == "speed"
+            assert _same(_points(), outer)
+            assert patching.current().strategy == "memory"
+            tf.gradients(loss, ws)
+        assert tf.gradients is originals[0]
+        assert _same(_points(), originals)
+        assert patching.current() is None and not patching.is_patched()
+        tf.gradients(loss, ws)   # plain again: not recorded
+    assert rewrites == [("memory", 0), ("speed", None), ("memory", 0)]   # no kwargs leak in
+
+
+def test_tape_routing_nests_both_ways(rewrites):
+    originals = _tape_points()
+    ws = [tf.Variable(np.random.RandomState(i).randn(8, 8).astype(np.float32) * 0.3)
+          for i in range(4)]
+    with memsave.patch("memory"):
+        assert _same(_tape_points(), originals)
+        with memsave.patch("speed", tape=True, min_checkpoint_size=0):
+            assert tf.GradientTape.gradient is not originals[0]
+            _tape_step(ws)
+        assert _same(_tape_points(), originals)
+        _tape_step(ws)
+    assert rewrites == [("speed", 0)]
+
+    with memsave.patch("speed", tape=True, min_checkpoint_size=0):
+        with memsave.patch("memory"):
+            assert _same(_tape_points(), originals)
+            _tape_step(ws)
+        assert tf.GradientTape.gradient is not originals[0]
+        assert patching.active_config().min_checkpoint_size == 0
+        _tape_step(ws)
+    assert _same(_tape_points(), originals)
+    assert rewrites == [("speed", 0), ("speed", 0)]
+
+
+def test_an_exception_in_the_inner_block_still_pops():
+    originals, tape_originals = _points(), _tape_points()
+    with memsave.patch("memory"):
+        outer = _points()
+        with pytest.raises(KeyError):
+            with memsave.patch("speed", tape=True):
+                raise KeyError("inner")
+        assert patching.current().strategy == "memory"
+        assert _same(_points(), outer)
+        assert _same(_tape_points(), tape_originals)
+    assert _same(_points(), originals)
+
+
+def test_unpatch_inside_nested_blocks():
+    originals, tape_originals = _points(), _tape_points()
+    with memsave.patch("memory"):
+        with memsave.patch("speed", tape=True):
+            memsave.unpatch()
+            assert _same(_points(), originals)
+            assert _same(_tape_points(), tape_originals)
+            memsave.unpatch()
+        assert patching.current() is None
+    assert _same(_points(), originals)
+    assert _same(_tape_points(), tape_originals)
+
+
+def test_a_bare_patch_pushes_a_level_that_stays_until_unpatch():
+    originals = _points()
+    with memsave.patch("memory"):
+        memsave.patch("speed")
+        assert patching.current().strategy == "speed"
+    assert patching.current().strategy == "speed"   # the block removed only its own level
+    memsave.unpatch()
+    assert _same(_points(), originals)
+
+
+def test_a_wrapper_kept_past_unpatch_is_plain(rewrites):
+    graph, loss, ws = _small_graph()
+    with memsave.patch("speed"):
+        kept = tf.gradients
+    with graph.as_default():
+        grads = kept(loss, ws)
+    assert len(grads) == len(ws) and not rewrites
+
+
+def test_threads_pushing_and_popping_leave_the_originals():
+    originals, tape_originals = _points(), _tape_points()
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(40):
+                with memsave.patch("speed" if (seed + i) % 2 else "memory", tape=bool(i % 3)):
+                    with memsave.patch("optimal"):
+                        assert patching.is_patched()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert patching.current() is None
+    assert _same(_points(), originals)
+    assert _same(_tape_points(), tape_originals)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from tests.builders import plan_chain
 from memsave.planning import (NoBottleneckError, PlanGraph, bottlenecks, explicit, memory,
                               speed)
 
@@ -18,17 +19,8 @@ def _node(g, name, order, op_type="Tanh", x=False, y=False, saved=True, size=MB)
 
 
 def chain(n):
-    """x -> a0 -> a1 -> ... -> y, one saved activation per layer."""
-    g = PlanGraph()
-    _node(g, "x", -1, x=True)
-    prev = "x"
-    for i in range(n):
-        _node(g, "a%d" % i, i, op_type="MatMul" if i % 2 else "Tanh")
-        g.add_edge(prev, "a%d" % i)
-        prev = "a%d" % i
-    _node(g, "y", n, y=True)
-    g.add_edge(prev, "y")
-    return g
+    """x -> a0 -> a1 -> ... -> y, one saved activation per layer (odd layers: MatMul)."""
+    return plan_chain(n, op_types=("Tanh", "MatMul"))
 
 
 def test_memory_on_a_chain_keeps_about_sqrt_2n():

@@ -306,6 +306,7 @@ def _minority(stats, limit=0.5):
 
 # ---------------------------------------------------------------- the tests
 
+@pytest.mark.heavy
 def test_random_dags_session():
     stats = collections.Counter()
 
@@ -318,6 +319,7 @@ def test_random_dags_session():
     _minority(stats)
 
 
+@pytest.mark.heavy
 def test_random_dags_tf_function():
     stats = collections.Counter()
 
@@ -330,6 +332,7 @@ def test_random_dags_tf_function():
     _minority(stats)
 
 
+@pytest.mark.heavy
 def test_no_bottleneck_only_when_none_exists_strict():
     """When 'memory' gives up, no tensor may cut activations off from the ys,
     counting xs (always-live inputs) as no path at all."""
@@ -401,6 +404,7 @@ def test_brute_force_agrees_with_a_known_graph():
     assert b.name not in found and c.name not in found
 
 
+@pytest.mark.heavy
 def test_random_dags_nested_xs():
     """xs where one x is computed from another (e.g. an input and a hidden layer)."""
 

@@ -239,6 +239,7 @@ def test_trainable_variables_cover_keras_and_explicit_ones():
 # --------------------------------------------------------------------------
 # memory
 
+@pytest.mark.heavy
 def test_peak_memory_constant_in_depth():
     rev = {n: peak_memory(revnet_step(n, False)) / MiB for n in (8, 32, 128)}
     plain = {n: peak_memory(revnet_step(n, True)) / MiB for n in (8, 128)}
@@ -249,6 +250,7 @@ def test_peak_memory_constant_in_depth():
     assert rev[8] < plain[8]
 
 
+@pytest.mark.heavy
 def test_drift_checks_keep_memory_constant():
     # The check of each block runs before the next block starts, and the
     # store of a healthy block is empty.
@@ -310,12 +312,14 @@ def test_check_every_and_drift_report(caplog):
     step = tf.function(lambda: seq(x))
     with caplog.at_level(logging.WARNING, logger="memsave"):
         step()
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert len([r for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "memsave"]) == 1
     drift = seq.drift
     assert drift[0] < 1e-6 and drift[1] > 1e-4
     for _ in range(4):          # checks again on call 4, warns only once per block
         step()
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert len([r for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "memsave"]) == 1
     assert int(seq._calls.numpy()) == 5
 
 
@@ -325,7 +329,8 @@ def test_healthy_blocks_do_not_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="memsave"):
         _, _, ours, plain = _compare([_block(k, 0, rng) for k in KINDS], x,
                                      check_inverse=True, fallback="store")
-    assert not caplog.records
+    # (TensorFlow's own retracing warnings may land here: count memsave's.)
+    assert not [r for r in caplog.records if r.name == "memsave"]
     _assert_close(ours, plain)
 
 
@@ -457,6 +462,7 @@ def test_import_is_lazy_and_light():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
+@pytest.mark.heavy
 def test_benchmark_runs_tiny(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.reversible", "--depths", "2", "4",
                           "--repeats", "1", "--out", str(tmp_path)],

@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memsave
@@ -30,6 +31,7 @@ def _chain(depth):
     return ws, tf.reduce_sum(h * h)
 
 
+@pytest.mark.heavy
 def test_2000_layer_chain_memory():
     limit = sys.getrecursionlimit()
     graph = tf.Graph()

@@ -21,14 +21,9 @@ does not carry (a graph imported from a ``GraphDef``) are rebuilt first, the
 way TensorFlow's own gradient would rebuild them.
 """
 
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import func_graph as tf_func_graph
-from tensorflow.python.framework import tensor_shape
-from tensorflow.python.ops import array_ops
-from tensorflow.python.ops import control_flow_util_v2 as cf_util
-from tensorflow.python.ops import handle_data_util
-from tensorflow.python.util import nest
+import tensorflow as tf
 
+from memsave import tf_internal
 from memsave.graph.walk import topo_order
 
 # op type -> (index of the first input the bodies see, [(function attr, Python attr)]).
@@ -49,7 +44,7 @@ def has_bodies(op):
 
 def _input_shapes(op, offset):
     if offset == 0:   # While: the loop variables' shapes
-        return [tensor_shape.TensorShape(s) for s in op.get_attr("output_shapes")]
+        return [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
     return [t.shape for t in op.inputs[offset:]]
 
 
@@ -58,9 +53,9 @@ def _source_body(op, attr_name, offset, func_name):
     body = getattr(op, attr_name, None)
     if body is not None:
         return body
-    body = cf_util.get_func_graph(op, _input_shapes(op, offset), func_name)
+    body = tf_internal.get_func_graph(op, _input_shapes(op, offset), func_name)
     for outer, inner in zip(op.inputs[offset:], body.inputs):
-        handle_data_util.copy_handle_data(outer, inner)
+        tf_internal.copy_handle_data(outer, inner)
     return body
 
 
@@ -93,17 +88,18 @@ def copy_bodies(op, inputs, outer_graph, create_op):
     attrs, graphs, lists = {}, {}, {}
     for key, position, py_attr, source in _bodies_of(op):
         new = clone_func_graph(source, outer_graph, external, create_op)
-        name = cf_util.create_new_tf_function(new)
+        name = tf_internal.create_new_tf_function(new)
         graphs[py_attr] = new
         old = op.node_def.attr[key]
         if position is None:
-            attrs[key] = attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(
+            attrs[key] = tf.compat.v1.AttrValue(func=tf.compat.v1.NameAttrList(
                 name=name, attr=old.func.attr))
         else:
-            lists.setdefault(key, []).append(attr_value_pb2.NameAttrList(
+            lists.setdefault(key, []).append(tf.compat.v1.NameAttrList(
                 name=name, attr=old.list.func[position].attr))
     for key, funcs in lists.items():
-        attrs[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(func=funcs))
+        attrs[key] = tf.compat.v1.AttrValue(
+            list=tf.compat.v1.AttrValue.ListValue(func=funcs))
     return attrs, graphs
 
 
@@ -114,19 +110,19 @@ def clone_func_graph(source, outer_graph, external, create_op):
     inputs stand for (the copied op's inputs): a capture of ``source`` at
     input ``k`` becomes a capture of ``external[k]``.
     """
-    name = cf_util.unique_fn_name("", "%s_memsave" % source.name)
+    name = tf_internal.unique_fn_name("", "%s_memsave" % source.name)
     with outer_graph.as_default():
         # Control-flow FuncGraphs read their outer graph at construction.
         new = type(source)(name, collections=None)
     new.outer_graph = outer_graph
-    for fn in source._functions.values():  # pylint: disable=protected-access
+    for fn in tf_internal.graph_functions(source):
         # Functions the body calls (PartitionedCall) go with it.
-        new._add_function_recursive(fn)  # pylint: disable=protected-access
+        tf_internal.add_function(new, fn)
     mapping = {}
     with new.as_default():
         for ph in source.inputs:
-            p = array_ops.placeholder(ph.dtype, ph.shape, name=ph.op.name)
-            handle_data_util.copy_handle_data(ph, p)
+            p = tf.compat.v1.placeholder(ph.dtype, ph.shape, name=ph.op.name)
+            tf_internal.copy_handle_data(ph, p)
             mapping[ph.ref()] = p
         new.inputs = [mapping[ph.ref()] for ph in source.inputs]
         position = {ph.ref(): k for k, ph in enumerate(source.inputs)}
@@ -145,7 +141,7 @@ def clone_func_graph(source, outer_graph, external, create_op):
                 mapping[old_t.ref()] = new_t
     new.outputs = [mapping[t.ref()] for t in source.outputs]
     new.control_outputs = [copies[op] for op in source.control_outputs if op in copies]
-    new.structured_outputs = nest.map_structure(
+    new.structured_outputs = tf.nest.map_structure(
         lambda t: mapping.get(t.ref(), t) if _is_graph_tensor(t) else t,
         source.structured_outputs)
     new.variables = list(source.variables)
@@ -154,4 +150,4 @@ def clone_func_graph(source, outer_graph, external, create_op):
 
 def _is_graph_tensor(t):
     return hasattr(t, "ref") and hasattr(t, "graph") and not isinstance(
-        t, tf_func_graph.FuncGraph)
+        t, tf_internal.FuncGraph)

@@ -14,7 +14,9 @@ copies of the widest tensor. Which pairs are ordered is decided by
 
 import collections
 
+from memsave import tf_internal
 from memsave.graph.optable import METADATA
+from memsave.tf_internal import op_id
 from memsave.planning.rules import reducer_runs_first
 
 
@@ -32,16 +34,16 @@ def _grad_scope(op):
 
 def _is_ancestor(candidate, op, new_ids):
     """Whether ``candidate`` (a new op) feeds ``op`` (walks only newer ops)."""
-    if candidate._id > op._id:  # pylint: disable=protected-access
+    if op_id(candidate) > op_id(op):
         return False  # an op's inputs all exist before it
-    floor = candidate._id  # pylint: disable=protected-access
+    floor = op_id(candidate)
     stack, seen = [op], set()
     while stack:
         current = stack.pop()
         if current is candidate:
             return True
         for parent in list(current.control_inputs) + [t.op for t in current.inputs]:
-            pid = parent._id  # pylint: disable=protected-access
+            pid = op_id(parent)
             if pid >= floor and pid in new_ids and pid not in seen:
                 seen.add(pid)
                 stack.append(parent)
@@ -53,7 +55,7 @@ def reducers_first(new_ops):
     result run before their siblings (same ``*_grad`` scope) that allocate a
     large result without reading it. ``new_ops`` are the ops one gradient
     call created; anything else is forward. Returns the number of edges."""
-    new_ids = {op._id for op in new_ops}  # pylint: disable=protected-access
+    new_ids = {op_id(op) for op in new_ops}
     scopes = collections.defaultdict(list)
     for op in new_ops:
         scope = _grad_scope(op)
@@ -68,7 +70,7 @@ def reducers_first(new_ops):
                 continue
             out = sum(tensor_bytes(t) or 0 for t in reducer.outputs)
             for f in reducer.inputs:
-                if f.op._id in new_ids:  # pylint: disable=protected-access
+                if op_id(f.op) in new_ids:
                     continue
                 size = tensor_bytes(f)
                 if not size or not reducer_runs_first(size, out, size):
@@ -81,6 +83,6 @@ def reducers_first(new_ops):
                                 size, out, sum(tensor_bytes(t) or 0 for t in other.outputs))
                             or _is_ancestor(other, reducer, new_ids)):
                         continue
-                    other._add_control_input(reducer)  # pylint: disable=protected-access
+                    tf_internal.add_control_input(other, reducer)
                     added += 1
     return added

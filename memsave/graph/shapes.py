@@ -18,12 +18,9 @@ unknown afterwards are sized by the caller's old rule, and said so.
 import collections
 import logging
 
-from tensorflow.python.framework import importer
-from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.framework import tensor as tf_tensor
-from tensorflow.python.framework import tensor_shape
-from tensorflow.python.ops import array_ops
+import tensorflow as tf
 
+from memsave import tf_internal
 from memsave.graph.walk import backward_ops
 
 logger = logging.getLogger("memsave")
@@ -70,7 +67,7 @@ def _trace_key(region):
 
 def _as_shape(value, what):
     try:
-        shape = tensor_shape.as_shape(value)
+        shape = value if isinstance(value, tf.TensorShape) else tf.TensorShape(value)
     except (TypeError, ValueError) as e:
         raise TypeError("shapes: %s must map to a shape (a tuple of ints), got %r (%s)"
                         % (what, value, e)) from None
@@ -91,7 +88,7 @@ def _hint_names(graph, shapes):
                 t = graph.get_tensor_by_name(key)
             except (KeyError, ValueError) as e:
                 raise ValueError("shapes: no tensor %r in the graph (%s)" % (key, e)) from None
-        elif isinstance(key, tf_tensor.Tensor) and not isinstance(key, tf_ops.EagerTensor):
+        elif isinstance(key, tf.Tensor) and not isinstance(key, tf_internal.EagerTensor):
             t = key
         else:
             raise TypeError("shapes: keys must be graph tensors or tensor names, got %r"
@@ -127,7 +124,7 @@ def _source_hints(region, ancestors, shapes, batch_size):
             from_trace.append("%s %s" % (name, seen))
             continue
         if batch_size and t.shape.rank and t.shape[0] is None:
-            hints[name] = tensor_shape.TensorShape([batch_size]).concatenate(t.shape[1:])
+            hints[name] = tf.TensorShape([batch_size]).concatenate(t.shape[1:])
             from_batch.append(name)
     if from_trace:
         notes.append("sizes from the first trace of %s: %s" % (key[0], ", ".join(from_trace)))
@@ -166,13 +163,13 @@ def _infer(region, ancestors, hints):
                 fixed.setdefault(i.name, i.shape)
     present = {n.name for n in graph_def.node}
     fixed = {n: s for n, s in fixed.items() if n.rsplit(":", 1)[0] in present}
-    scratch = tf_ops.Graph()
+    scratch = tf.Graph()
     with scratch.as_default():
         input_map = {}
         for i, (name, shape) in enumerate(sorted(fixed.items())):
             dtype = graph.get_tensor_by_name(name).dtype
-            input_map[name] = array_ops.placeholder(dtype, shape, name="memsave_hint_%d" % i)
-        importer.import_graph_def(graph_def, input_map=input_map, name="copy")
+            input_map[name] = tf.compat.v1.placeholder(dtype, shape, name="memsave_hint_%d" % i)
+        tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="copy")
     out = {}
     for op in region.ops:
         for t in op.outputs:

@@ -8,8 +8,7 @@ copying them. Unknown stateful ops are pinned too; being wrong that way only
 costs memory, never correctness.
 """
 
-from tensorflow.python.framework import op_def_registry
-
+from memsave import tf_internal
 from memsave.graph.walk import forward_ops
 
 # Stateful ops that are safe to run again within the same step (inside a
@@ -47,7 +46,7 @@ def _function_names(node_attrs):
 def _find_function(graph, name):
     # Bodies may be registered in an enclosing graph of a FuncGraph.
     while graph is not None:
-        fn = graph._get_function(name)  # pylint: disable=protected-access
+        fn = tf_internal.graph_function(graph, name)
         if fn is not None:
             return fn
         graph = getattr(graph, "outer_graph", None)
@@ -66,7 +65,7 @@ def _body_is_pinned(graph, names, seen):
         for node in fdef.node_def:
             if node.op in ALWAYS_PINNED:
                 return True
-            op_def = op_def_registry.get(node.op)
+            op_def = tf_internal.get_op_def(node.op)
             if op_def is None:  # a call of a library function by name
                 if _body_is_pinned(graph, [node.op, *_function_names(node.attr)], seen):
                     return True
@@ -110,7 +109,7 @@ def written_handles(graph, region_ops):
     if not writers:
         return {}
     if _orders_by_creation(graph):
-        after = {op: op._id for op in writers}  # pylint: disable=protected-access
+        after = {op: tf_internal.op_id(op) for op in writers}
     else:
         downstream = forward_ops(region_ops, control=True)
         after = {op: float("inf") for op in writers if op in downstream}
@@ -123,7 +122,7 @@ def written_handles(graph, region_ops):
 
 def _orders_by_creation(graph):
     """True for graphs whose stateful ops get ordered by creation later (tf.function)."""
-    return bool(getattr(graph, "_add_control_dependencies", False))
+    return tf_internal.orders_stateful_ops_by_creation(graph)
 
 
 def is_pinned(op, written=None):
@@ -144,7 +143,7 @@ def is_pinned(op, written=None):
     if op.type in FUNCTION_CALLS:
         written = written or {}
         if any(t.dtype.name == "resource"
-               and written.get(t.ref(), -1) > op._id  # pylint: disable=protected-access
+               and written.get(t.ref(), -1) > tf_internal.op_id(op)
                for t in op.inputs):
             return True
         return _body_is_pinned(op.graph, _function_names(op.node_def.attr), set())

@@ -8,15 +8,17 @@ because TF2 tensors are not hashable.
 import collections
 import heapq
 
-from tensorflow.python.framework import ops as tf_ops
+import tensorflow as tf
+
+from memsave import tf_internal
 
 
 def as_op(item):
     """Return the operation behind a tensor, variable handle or operation."""
-    if isinstance(item, tf_ops.Operation):
+    if isinstance(item, tf.Operation):
         return item
     op = getattr(item, "op", None)
-    if isinstance(op, tf_ops.Operation):
+    if isinstance(op, tf.Operation):
         return op
     raise TypeError("expected a tf.Tensor or tf.Operation, got %r" % (item,))
 
@@ -75,7 +77,8 @@ def forward_ops(seeds, stop_at=(), within=None, control=False):
                 continue
             stack.extend(c for c in t.consumers() if within is None or c in within)
         if control:
-            stack.extend(c for c in op._control_outputs if within is None or c in within)  # pylint: disable=protected-access
+            stack.extend(c for c in tf_internal.control_outputs(op)
+                         if within is None or c in within)
     return seen
 
 
@@ -94,7 +97,7 @@ def topo_order(op_set):
         indegree[op] = len(parents)
         for p in parents:
             children[p].append(op)
-    heap = [(op._id, op) for op, d in indegree.items() if d == 0]  # pylint: disable=protected-access
+    heap = [(tf_internal.op_id(op), op) for op, d in indegree.items() if d == 0]
     heapq.heapify(heap)
     order = []
     while heap:
@@ -103,7 +106,7 @@ def topo_order(op_set):
         for c in children[op]:
             indegree[c] -= 1
             if indegree[c] == 0:
-                heapq.heappush(heap, (c._id, c))  # pylint: disable=protected-access
+                heapq.heappush(heap, (tf_internal.op_id(c), c))
     if len(order) != len(op_set):
         raise ValueError("the graph has a cycle among %d ops" % (len(op_set) - len(order)))
     return order

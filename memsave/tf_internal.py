@@ -1,0 +1,392 @@
+"""Every private TensorFlow API memsave uses, behind one door.
+
+This is the only module of memsave that imports ``tensorflow.python``,
+``tensorflow.core`` or ``tensorflow.compiler``, or touches a private
+attribute of a TensorFlow object; everything else uses the public ``tf.*``
+API, or the names below. Each name says, in the comment above it, why no
+public API does the job.
+
+At import every symbol in :data:`SYMBOLS` is looked up: if one is missing,
+importing memsave fails with an :class:`ImportError` naming the symbol, the
+installed TensorFlow version and the tested one, instead of failing later
+in the middle of a rewrite. A TensorFlow whose major.minor version is not
+:data:`TESTED_TF` but has every symbol only gets a WARNING (logger
+``"memsave"``). ``tests/test_tf_internal.py`` checks each symbol on the
+pinned TensorFlow.
+"""
+
+import logging
+
+import tensorflow as tf
+
+logger = logging.getLogger("memsave")
+
+# The TensorFlow release (major.minor) memsave is tested with.
+TESTED_TF = "2.21"
+
+
+def _installed_version():
+    return getattr(tf, "__version__", "unknown")
+
+
+def _missing_message(what, error):
+    return ("memsave needs the TensorFlow internal %s, which the installed TensorFlow %s "
+            "does not have (memsave is tested with TensorFlow %s.x; install that version): "
+            "%s: %s" % (what, _installed_version(), TESTED_TF, type(error).__name__, error))
+
+
+try:
+    from tensorflow.python import pywrap_tfe as _pywrap_tfe
+    from tensorflow.python.client import session as _session
+    from tensorflow.python.eager import record as _record
+    from tensorflow.python.eager import tape as _tape_lib
+    from tensorflow.python.framework import composite_tensor_gradient as _ct_gradient
+    from tensorflow.python.framework import func_graph as _func_graph
+    from tensorflow.python.framework import op_def_registry as _op_def_registry
+    from tensorflow.python.framework import ops as _ops
+    from tensorflow.python.ops import control_flow_util_v2 as _cf_util
+    from tensorflow.python.ops import default_gradient as _default_gradient
+    from tensorflow.python.ops import gradients as _gradients
+    from tensorflow.python.ops import gradients_impl as _gradients_impl
+    from tensorflow.python.ops import gradients_util as _gradients_util
+    from tensorflow.python.ops import handle_data_util as _handle_data_util
+    from tensorflow.python.ops import ref_variable as _ref_variable
+    from tensorflow.python.util import variable_utils as _variable_utils
+    from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+except ImportError as _e:
+    raise ImportError(_missing_message("module %s" % (_e.name or ""), _e)) from _e
+
+
+# (what, getter): every private symbol and attribute memsave relies on. A
+# getter returns the object or raises (AttributeError, ImportError, ...).
+_symbols = []
+
+
+def _resolve(what, getter):
+    """What ``getter`` gives, or an ImportError naming ``what`` and the versions."""
+    try:
+        return getter()
+    except Exception as e:  # pylint: disable=broad-except
+        raise ImportError(_missing_message(what, e)) from e
+
+
+def _need(what, getter):
+    """Register ``(what, getter)`` in SYMBOLS and return what the getter gives."""
+    _symbols.append((what, getter))
+    return _resolve(what, getter)
+
+
+def _has(owner, name):
+    """A getter checking that ``owner`` (a class, or a function giving a probe object)
+    has the attribute ``name``; it returns True or raises AttributeError."""
+    def get():
+        target = owner if isinstance(owner, type) else owner()
+        getattr(target, name)
+        return True
+    return get
+
+
+_probes = {}
+
+
+def _probe(kind):
+    """Scratch objects for attributes TF sets on instances only (built once, cheap)."""
+    if not _probes:
+        graph = tf.Graph()
+        with graph.as_default():
+            op = tf.no_op(name="memsave_probe")
+        _probes["graph"], _probes["op"] = graph, op
+        _probes["tape"] = tf.GradientTape()
+    return _probes[kind]
+
+
+def _assigned_in(function, name):
+    """A getter checking that ``function`` sets the attribute ``name``."""
+    def get():
+        if name not in function.__code__.co_names:
+            raise AttributeError("%s no longer sets %s" % (function.__qualname__, name))
+        return True
+    return get
+
+
+# ---------------------------------------------------------------------------
+# Classes and functions.
+
+# The class of eager tensors: tf.__internal__.EagerTensor is private too, and
+# tf.is_symbolic_tensor differs (it is also true for Keras symbolic tensors).
+EagerTensor = _need("tensorflow.python.framework.ops.EagerTensor", lambda: _ops.EagerTensor)
+
+# The graph class of tf.function / control-flow bodies (captures, outer_graph);
+# only tf.__internal__.FuncGraph, which is private too.
+FuncGraph = _need("tensorflow.python.framework.func_graph.FuncGraph",
+                  lambda: _func_graph.FuncGraph)
+
+# The common base of tf.compat.v1.Session and InteractiveSession; not exported.
+BaseSession = _need("tensorflow.python.client.session.BaseSession",
+                    lambda: _session.BaseSession)
+
+# Resource handle dtype/shape metadata (what a variable handle reads as) has
+# no public API; copies of ops must carry it or variable reads lose shapes.
+copy_handle_data = _need("tensorflow.python.ops.handle_data_util.copy_handle_data",
+                         lambda: _handle_data_util.copy_handle_data)
+
+# True for resource variables (and Keras/distributed wrappers of them); only
+# tf.__internal__.ops.is_resource_variable, which is private too.
+is_resource_variable = _need(
+    "tensorflow.python.ops.resource_variable_ops.is_resource_variable",
+    lambda: _resource_variable_ops.is_resource_variable)
+
+# Rebuilding a control-flow body (FuncGraph) from a While/If/Case function
+# attribute, as TF's own gradient does; no public API.
+get_func_graph = _need("tensorflow.python.ops.control_flow_util_v2.get_func_graph",
+                       lambda: _cf_util.get_func_graph)
+
+# Registering a FuncGraph as a function of its outer graph (the way while_v2
+# and cond_v2 do); no public API.
+create_new_tf_function = _need(
+    "tensorflow.python.ops.control_flow_util_v2.create_new_tf_function",
+    lambda: _cf_util.create_new_tf_function)
+
+# A function name unique in the default graph's library; no public API.
+unique_fn_name = _need("tensorflow.python.ops.control_flow_util_v2.unique_fn_name",
+                       lambda: _cf_util.unique_fn_name)
+
+# The OpDef of a registered op type (is it stateful?); no public registry lookup.
+get_op_def = _need("tensorflow.python.framework.op_def_registry.get",
+                   lambda: _op_def_registry.get)
+
+# The gradient function registered for an op (None when it has none); no
+# public lookup (tf.RegisterGradient only registers).
+get_gradient_function = _need("tensorflow.python.framework.ops.get_gradient_function",
+                              lambda: _ops.get_gradient_function)
+
+# tf.gradients' implementation below every public entry point; memsave
+# patches the public ones, so it must call this one to never recurse.
+gradients_helper = _need("tensorflow.python.ops.gradients_util._GradientsHelper",
+                         lambda: _gradients_util._GradientsHelper)  # pylint: disable=protected-access
+
+# The zeros tf.gradients gives an unconnected x with UnconnectedGradients.ZERO
+# (a resource handle gets its variable's shape and dtype); no public API.
+zeros_for_unconnected = _need("tensorflow.python.ops.gradients_util._ZerosLike",
+                              lambda: _gradients_util._ZerosLike)  # pylint: disable=protected-access
+
+# The zeros tf.GradientTape gives an unconnected source with ZERO (resource
+# handles respected); no public API.
+default_zeros_like = _need("tensorflow.python.ops.default_gradient.zeros_like",
+                           lambda: _default_gradient.zeros_like)
+
+# Pause every active tape (tf.GradientTape.stop_recording pauses one tape).
+stop_recording = _need("tensorflow.python.eager.record.stop_recording",
+                       lambda: _record.stop_recording)
+
+# Would the active tapes record an op reading these tensors? No public API.
+should_record_backprop = _need("tensorflow.python.eager.record.should_record_backprop",
+                               lambda: _record.should_record_backprop)
+
+# Is any tape active at all? No public API.
+could_possibly_record = _need("tensorflow.python.eager.record.could_possibly_record",
+                              lambda: _record.could_possibly_record)
+
+# Pushing/popping a C++ tape on the thread's tape stack (to ask it what it
+# tracked); no public API.
+push_tape = _need("tensorflow.python.eager.tape.push_tape", lambda: _tape_lib.push_tape)
+pop_tape = _need("tensorflow.python.eager.tape.pop_tape", lambda: _tape_lib.pop_tape)
+
+# Is the tape stack paused (inside a stop_recording block)? Only in the C API.
+tape_set_is_stopped = _need("tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsStopped",
+                            lambda: _pywrap_tfe.TFE_Py_TapeSetIsStopped)
+
+# What GradientTape.gradient does with composite output_gradients; no public API.
+get_flat_tensors_for_gradients = _need(
+    "tensorflow.python.framework.composite_tensor_gradient.get_flat_tensors_for_gradients",
+    lambda: _ct_gradient.get_flat_tensors_for_gradients)
+
+# What GradientTape.gradient does with variables in output_gradients; no public API.
+convert_variables_to_tensors = _need(
+    "tensorflow.python.util.variable_utils.convert_variables_to_tensors",
+    lambda: _variable_utils.convert_variables_to_tensors)
+
+# The modules memsave.patch() patches besides tf and tf.compat.v1:
+# tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.
+gradients_impl_module = _need("tensorflow.python.ops.gradients_impl", lambda: _gradients_impl)
+gradients_module = _need("tensorflow.python.ops.gradients", lambda: _gradients)
+_need("tensorflow.python.ops.gradients_impl.gradients", lambda: _gradients_impl.gradients)
+_need("tensorflow.python.ops.gradients_impl.gradients_v2",
+      lambda: _gradients_impl.gradients_v2)
+_need("tensorflow.python.ops.gradients.gradients", lambda: _gradients.gradients)
+
+# Patchable modules by a short name (for memsave.patching's patch points).
+PATCHABLE_MODULES = {"gradients_impl": gradients_impl_module, "gradients": gradients_module}
+
+
+# ---------------------------------------------------------------------------
+# Private attributes, each behind a small named helper.
+
+_need("tf.Operation._id", _has(tf.Operation, "_id"))
+_need("tf.Operation._add_control_inputs", _has(tf.Operation, "_add_control_inputs"))
+_need("tf.Operation._add_control_input", _has(tf.Operation, "_add_control_input"))
+_need("tf.Operation._control_outputs", _has(tf.Operation, "_control_outputs"))
+_need("tf.Operation._set_device", _has(tf.Operation, "_set_device"))
+_need("tf.Operation._input_types", _has(tf.Operation, "_input_types"))
+_need("tf.Operation()._gradient_function", _has(lambda: _probe("op"), "_gradient_function"))
+_need("tf.Graph._create_op_internal", _has(tf.Graph, "_create_op_internal"))
+_need("tf.Graph._mutation_lock", _has(tf.Graph, "_mutation_lock"))
+_need("tf.Graph._get_function", _has(tf.Graph, "_get_function"))
+_need("tf.Graph._is_function", _has(tf.Graph, "_is_function"))
+_need("tf.Graph._add_function_recursive", _has(tf.Graph, "_add_function_recursive"))
+_need("tf.Graph()._functions", _has(lambda: _probe("graph"), "_functions"))
+_need("tf.Graph()._add_control_dependencies",
+      _has(lambda: _probe("graph"), "_add_control_dependencies"))
+_need("RefVariable._ref", _has(_ref_variable.RefVariable, "_ref"))
+_need("BaseSession()._closed", _assigned_in(_session.BaseSession.__init__, "_closed"))
+_need("tf.GradientTape()._tape", _has(lambda: _probe("tape"), "_tape"))
+_need("tf.GradientTape()._recording", _has(lambda: _probe("tape"), "_recording"))
+_need("tf.GradientTape()._persistent", _has(lambda: _probe("tape"), "_persistent"))
+_need("tf.GradientTape()._watched_variables",
+      _has(lambda: _probe("tape"), "_watched_variables"))
+_need("tf.GradientTape._pop_tape", _has(tf.GradientTape, "_pop_tape"))
+
+
+def op_id(op):
+    """The creation index of ``op`` in its graph (orders ops deterministically)."""
+    return op._id  # pylint: disable=protected-access
+
+
+def add_control_inputs(op, deps):
+    """Make the existing ``op`` wait for the ops ``deps`` (no public way to edit an op)."""
+    op._add_control_inputs(list(deps))  # pylint: disable=protected-access
+
+
+def add_control_input(op, dep):
+    """Make the existing ``op`` wait for the op ``dep``."""
+    op._add_control_input(dep)  # pylint: disable=protected-access
+
+
+def control_outputs(op):
+    """The ops that have ``op`` as a control input (no public accessor)."""
+    return op._control_outputs  # pylint: disable=protected-access
+
+
+def set_device(op, device):
+    """Set the device of an existing op (tf.device only applies to new ops)."""
+    op._set_device(device)  # pylint: disable=protected-access
+
+
+def input_types(op):
+    """The dtypes ``op`` declares for its inputs (ref types included)."""
+    return op._input_types  # pylint: disable=protected-access
+
+
+def copy_gradient_function(source, target):
+    """Give ``target`` the gradient function of ``source`` (a gradient_override_map's)."""
+    target._gradient_function = source._gradient_function  # pylint: disable=protected-access
+
+
+def create_op(graph, op_type, inputs, dtypes=None, **kwargs):
+    """A new op in ``graph`` with explicit inputs, attrs and op_def.
+
+    ``Graph.create_op`` is deprecated and applies the control-dependency
+    and device stacks; memsave copies ops exactly (``compute_device=False``).
+    """
+    return graph._create_op_internal(op_type, inputs, dtypes=dtypes, **kwargs)  # pylint: disable=protected-access
+
+
+def mutation_lock(graph):
+    """The lock TF holds while it adds ops to ``graph`` (a context manager)."""
+    return graph._mutation_lock()  # pylint: disable=protected-access
+
+
+def graph_function(graph, name):
+    """The function ``name`` registered in ``graph`` itself, or None."""
+    return graph._get_function(name)  # pylint: disable=protected-access
+
+
+def is_function_call(op):
+    """Whether ``tf.gradients`` differentiates ``op`` as a function call.
+
+    It does so even when ``op`` is in ``stop_gradients`` (its stop check only
+    skips the registered gradient, not the SymbolicGradient of a call), so
+    callers must not rely on that stop for such ops.
+    """
+    return (op.type in ("PartitionedCall", "StatefulPartitionedCall")
+            or op.graph._is_function(op.type))  # pylint: disable=protected-access
+
+
+def graph_functions(graph):
+    """The functions registered in ``graph`` itself (not its outer graphs)."""
+    return list(graph._functions.values())  # pylint: disable=protected-access
+
+
+def add_function(graph, function):
+    """Register ``function`` and the functions it calls in ``graph``."""
+    graph._add_function_recursive(function)  # pylint: disable=protected-access
+
+
+def orders_stateful_ops_by_creation(graph):
+    """True while ``graph`` is being traced with automatic control dependencies
+    (a ``tf.function`` body): its stateful ops get ordered by creation."""
+    return bool(getattr(graph, "_add_control_dependencies", False))
+
+
+def ref_variable_tensor(variable):
+    """The ref tensor of a TF1 reference variable (what tf.gradients differentiates)."""
+    return variable._ref()  # pylint: disable=protected-access
+
+
+def session_closed(session):
+    """True once ``session`` (a BaseSession) is closed (no public flag)."""
+    return getattr(session, "_closed", True)
+
+
+def tape_handle(tape):
+    """The C++ tape behind a ``tf.GradientTape`` (None once a non-persistent tape is used)."""
+    return tape._tape  # pylint: disable=protected-access
+
+
+def tape_recording(tape):
+    """True inside the tape's ``with`` block (and not in stop_recording)."""
+    return tape._recording  # pylint: disable=protected-access
+
+
+def tape_persistent(tape):
+    """True for a ``tf.GradientTape(persistent=True)``."""
+    return tape._persistent  # pylint: disable=protected-access
+
+
+def pause_tape(tape):
+    """Stop ``tape`` recording, as its ``gradient()`` does when called inside the block."""
+    tape._pop_tape()  # pylint: disable=protected-access
+
+
+def release_tape(tape):
+    """Forget the C++ tape after a non-persistent ``gradient()``, as TF does."""
+    tape._watched_variables = tape._tape.watched_variables()  # pylint: disable=protected-access
+    tape._tape = None  # pylint: disable=protected-access
+
+
+SYMBOLS = tuple(_symbols)
+_probes.clear()   # the scratch objects were only needed for the check
+
+
+# ---------------------------------------------------------------------------
+# Version check.
+
+def _major_minor(version):
+    return ".".join(str(version).split(".")[:2])
+
+
+def check_version(version=None):
+    """Warn (logger "memsave") when TensorFlow's major.minor is not TESTED_TF.
+
+    Returns True when the version is the tested one.
+    """
+    version = _installed_version() if version is None else version
+    if _major_minor(version) == TESTED_TF:
+        return True
+    logger.warning("memsave: TensorFlow %s is installed, but memsave is tested with "
+                   "TensorFlow %s.x; every internal it needs is present, so it goes on, "
+                   "but its results are not verified on this version", version, TESTED_TF)
+    return False
+
+
+check_version()
