@@ -12,16 +12,9 @@ import os
 
 import tensorflow as tf
 
+from memsave.log import warn_once
+
 logger = logging.getLogger("memsave")
-
-_warned = set()
-
-
-def _warn_once(message):
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
-
 
 ENV_HINT = ("set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow "
             "runs its first op")
@@ -41,8 +34,9 @@ def memory_info(device=None):
         raise RuntimeError("memsave.profile: no allocator statistics for %s (%s); %s"
                            % (device, e, ENV_HINT)) from None
     if device.startswith("CPU") and os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() != "true":
-        _warn_once("memsave.profile: TF_CPU_ALLOCATOR_USE_BFC is not 'true'; CPU peaks come "
-                   "from the default allocator and are less repeatable; " + ENV_HINT)
+        warn_once("profile:bfc", "memsave.profile: TF_CPU_ALLOCATOR_USE_BFC is not 'true'; "
+                  "CPU peaks come from the default allocator and are less repeatable; "
+                  + ENV_HINT)
     return info
 
 
@@ -91,12 +85,12 @@ def configure_for_measurement():
 
 
 def estimate_peak(ys, xs, checkpoints="optimal", **plan_kwargs):
-    """Estimated peak activation bytes of the backward pass, before running it.
+    """Estimated peak bytes of the backward pass, before running it.
 
     ``checkpoints=None`` estimates plain ``tf.gradients``. The estimate
     simulates the rewrite's schedule on the planning graph (see
-    :mod:`memsave.planning.simulate`); it counts activations and their gradients,
-    not weights or weight gradients.
+    :mod:`memsave.planning.simulate`); it counts activations, their gradients
+    and the weight gradients (pieces and sums), not the weights themselves.
     """
     from memsave.api import plan  # pylint: disable=import-outside-toplevel
     if checkpoints is None:

@@ -19,16 +19,11 @@ Grappler cannot merge the copies back into the forward pass.
 import dataclasses
 import logging
 
+import tensorflow as tf
 import toposort
 
-from tensorflow.python.framework import indexed_slices
-from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.ops import array_ops
-from tensorflow.python.ops import gradients_util
-from tensorflow.python.ops import math_ops
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-
-from memsave.graph import backward_ops, copy_ops
+from memsave import tf_internal
+from memsave.graph import backward_ops, copy_ops, optable
 from memsave.graph.schedule import reducers_first
 
 logger = logging.getLogger("memsave")
@@ -37,8 +32,8 @@ logger = logging.getLogger("memsave")
 def plain_gradients(ys, xs, grad_ys=None, **kwargs):
     """TensorFlow's own gradients, called below every patch point."""
     graph = ys[0].graph
-    with graph._mutation_lock():  # pylint: disable=protected-access
-        return gradients_util._GradientsHelper(ys, xs, grad_ys, **kwargs)  # pylint: disable=protected-access
+    with tf_internal.mutation_lock(graph):
+        return tf_internal.gradients_helper(ys, xs, grad_ys, **kwargs)
 
 
 def aggregate(grads):
@@ -48,12 +43,12 @@ def aggregate(grads):
         return None
     if len(grads) == 1:
         return grads[0]
-    if all(isinstance(g, indexed_slices.IndexedSlices) for g in grads):
+    if all(isinstance(g, tf.IndexedSlices) for g in grads):
         shape = next((g.dense_shape for g in grads if g.dense_shape is not None), None)
-        return indexed_slices.IndexedSlices(
-            array_ops.concat([g.values for g in grads], axis=0),
-            array_ops.concat([g.indices for g in grads], axis=0), shape)
-    return math_ops.add_n([tf_ops.convert_to_tensor(g) for g in grads])
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in grads], axis=0),
+            tf.concat([g.indices for g in grads], axis=0), shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
 class _Accumulator:
@@ -87,7 +82,8 @@ def _checkpoint_levels(region, checkpoints, stop):
         backward_ops([r.op], stop_at=stop, within=region.ops, stopped=hit)
         hit.pop(r.ref(), None)
         deps[r.ref()] = set(hit)
-    return [sorted(level, key=lambda ref: (ref.deref().op._id, ref.deref().value_index))  # pylint: disable=protected-access
+    return [sorted(level, key=lambda ref: (tf_internal.op_id(ref.deref().op),
+                                           ref.deref().value_index))
             for level in toposort.toposort(deps)]
 
 
@@ -127,10 +123,10 @@ class _Swapper:
     def _identity(self, source, original, device, kind, control):
         with self.graph.name_scope(None), self.graph.control_dependencies(None):
             name = "%s/%s_%d/%s" % (self.scope, original.op.name, original.value_index, kind)
-            out = array_ops.identity(source, name=name)
-        out.op._set_device(device)  # pylint: disable=protected-access
+            out = tf.identity(source, name=name)
+        tf_internal.set_device(out.op, device)
         if control:
-            out.op._add_control_inputs(list(control))  # pylint: disable=protected-access
+            tf_internal.add_control_inputs(out.op, control)
         self.swap_ops.add(out.op)
         return out
 
@@ -174,12 +170,23 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
     Returns one gradient (or None) per x.
     """
     ys, xs = region.ys, region.xs
-    unconnected = grad_kwargs.pop("unconnected_gradients", UnconnectedGradients.NONE)
+    unconnected = grad_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
     user_stops = list(grad_kwargs.pop("stop_gradients", None) or [])
-    stop = {t.ref(): t for t in checkpoints}
     # xs computed inside the region are checkpoints (region.forced): their
     # gradients accumulate like a checkpoint's. Each leaf x is asked once.
     leaf_xs = list({x.ref(): x for x in region.leaf_xs}.values())
+    # A kept read of a leaf x (a variable read that must not be redone) is
+    # differentiated in place on the way to its x: a segment that reads it
+    # asks for the x. As a checkpoint it would hold a running gradient sum
+    # the size of the variable per read until the end of the backward pass,
+    # and an unrolled RNN reads its weights once per step.
+    aliases = _x_reads(region, leaf_xs)
+    checkpoints = [t for t in checkpoints if t.ref() not in aliases]
+    stop = {t.ref(): t for t in checkpoints}
+    # tf.gradients differentiates a function call even when its output is in
+    # stop_gradients, so copies read such a checkpoint through an Identity,
+    # which the stop does hold (else the call's inputs get the gradient twice).
+    shields = _shields(region, checkpoints)
     within = region.copyable
     d_cp, d_xs = _Accumulator(), _Accumulator()
     segment = 0
@@ -194,7 +201,8 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         if swapper is not None:
             swapped = swapper.swap_in(
                 {t.ref(): t for op in ops for t in op.inputs if t.ref() in stop}, wait_for)
-        copies = copy_ops(ops, replace=swapped, wait_for=wait_for, scope="memsave_%d" % segment)
+        read_as = {**shields, **swapped}
+        copies = copy_ops(ops, replace=read_as, wait_for=wait_for, scope="memsave_%d" % segment)
         segment += 1
 
         def copied(t):
@@ -203,10 +211,25 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
 
         readers = set(ops) | {t.op for t in boundary if t.op not in copies}
         asked_cp = {t.ref(): t for op in readers for t in op.inputs if t.ref() in stop}
+        via_reads = {aliases[t.ref()].ref() for op in readers for t in op.inputs
+                     if t.ref() in aliases}
         asked_x = [x for x in leaf_xs
-                   if any(c in readers for c in x.consumers()) or any(x is b for b in boundary)]
-        # Offloaded checkpoints are read (and differentiated) as their swap-ins.
-        read_cp = [swapped.get(ref, t) for ref, t in asked_cp.items()]
+                   if any(c in readers for c in x.consumers()) or x.ref() in via_reads
+                   or any(x is b for b in boundary)]
+        # Copies read (and so differentiate) offloaded checkpoints as their
+        # swap-ins and call outputs as their shields; an op that is not copied
+        # (a pinned boundary op) reads the original.
+        owners, read_cp = [], []
+        made = set(copies.values())
+        for ref, t in asked_cp.items():
+            sub = read_as.get(ref)
+            if sub is not None and any(c in made for c in sub.consumers()):
+                owners.append(t)
+                read_cp.append(sub)
+            if sub is None or any(t is i for op in readers if op not in copies
+                                  for i in op.inputs):
+                owners.append(t)
+                read_cp.append(t)
         targets = read_cp + asked_x
         if not targets:
             return []
@@ -218,8 +241,8 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         reducers_first(region.graph.get_operations()[before:])
         if swapper is not None:
             swapper.used(swapped)
-        sums = [d_cp.add(t, g) for t, g in zip(asked_cp.values(), grads_out)]
-        sums += [d_xs.add(t, g) for t, g in zip(asked_x, grads_out[len(asked_cp):])]
+        sums = [d_cp.add(t, g) for t, g in zip(owners, grads_out)]
+        sums += [d_xs.add(t, g) for t, g in zip(asked_x, grads_out[len(owners):])]
         logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint(s) and %d x(s)",
                      segment - 1, len(copies), len(asked_cp), len(asked_x))
         # The next segment waits for the running sums, not just the partials,
@@ -233,7 +256,7 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
     for i, y in enumerate(ys):
         g = grad_ys[i] if grad_ys else None
         if y.ref() in stop:
-            d_cp.add(y, g if g is not None else array_ops.ones_like(y))
+            d_cp.add(y, g if g is not None else tf.compat.v1.ones_like(y))
         else:
             top.append(y)
             top_grads.append(g)
@@ -254,13 +277,41 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
     results = []
     for x in xs:
         g = d_cp.total(x) if x.ref() in stop else d_xs.total(x)
-        if g is None and unconnected == UnconnectedGradients.ZERO:
-            g = gradients_util._ZerosLike(x)  # pylint: disable=protected-access
+        if g is None and unconnected == tf.UnconnectedGradients.ZERO:
+            g = tf_internal.zeros_for_unconnected(x)
         results.append(g)
     return results
 
 
+def _shields(region, checkpoints):
+    """``{ref: Identity}`` for checkpoints a function call produces (see rewrite)."""
+    out = {}
+    for t in checkpoints:
+        if t.op in region.ops and tf_internal.is_function_call(t.op):
+            graph = region.graph
+            with graph.as_default(), graph.name_scope(None), \
+                    graph.control_dependencies(None), graph.device(t.op.device):
+                out[t.ref()] = tf.identity(t, name="memsave_shield")
+    return out
+
+
+def _x_reads(region, leaf_xs):
+    """``{read.ref(): x}`` for outputs of kept (pinned) variable reads whose only
+    inputs are leaf xs (see :func:`memsave.planning.simulate.prepare`, which
+    models the same)."""
+    roots = {x.ref(): x for x in leaf_xs}
+    found = {}
+    for op in region.pinned:
+        if op.type not in optable.INPUT_READS or not op.inputs:
+            continue
+        if all(t.ref() in roots for t in op.inputs):
+            for out in op.outputs:
+                if out.ref() not in roots:
+                    found[out.ref()] = roots[op.inputs[0].ref()]
+    return found
+
+
 def _op(grad):
-    if isinstance(grad, indexed_slices.IndexedSlices):
+    if isinstance(grad, tf.IndexedSlices):
         return grad.values.op
     return grad.op

@@ -5,6 +5,7 @@ gradients (which every method must return) are small next to the figures.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memsave
@@ -75,6 +76,7 @@ def _function_peak(n, strategy):
     return float(np.median([peak_memory(trace()) for _ in range(3)])) / ACTIVATION
 
 
+@pytest.mark.heavy
 def test_chain100_memory_session():
     ours = _session_peak(_chain, 100, "memory")
     plain = _session_peak(_chain, 100, None)
@@ -83,6 +85,7 @@ def test_chain100_memory_session():
     assert ours <= 3 * np.sqrt(100)
 
 
+@pytest.mark.heavy
 def test_chain100_memory_function():
     ours = _function_peak(100, "memory")
     plain = _function_peak(100, None)
@@ -91,6 +94,7 @@ def test_chain100_memory_function():
     assert ours <= 3 * np.sqrt(100)
 
 
+@pytest.mark.heavy
 def test_resnet100_memory_session():
     ours = _session_peak(_resnet, 100, "memory")
     plain = _session_peak(_resnet, 100, None)
@@ -100,9 +104,54 @@ def test_resnet100_memory_session():
     assert plain >= 90
 
 
+@pytest.mark.heavy
 def test_memory_grows_sublinearly():
     small = _session_peak(_chain, 25, "memory")
     large = _session_peak(_chain, 100, "memory")
     print("\nchain memory strategy: n=25 %.1f, n=100 %.1f activations" % (small, large))
     # sqrt growth: 4x the depth should cost about 2x, far from 4x.
     assert large <= 2.6 * small
+
+
+def _unrolled_lstm(steps=32, batch=128, width=256):
+    """Two LSTM layers unrolled in Python: every step reads the same weights."""
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(steps, batch, width).astype(np.float32))
+    ws = [tf.Variable(rng.randn(2 * width, 4 * width).astype(np.float32) * 0.05)
+          for _ in range(2)]
+    bs = [tf.Variable(np.zeros(4 * width, np.float32)) for _ in range(2)]
+    seq = tf.unstack(x)
+    for w, b in zip(ws, bs):
+        h, c, out = tf.zeros((batch, width)), tf.zeros((batch, width)), []
+        for t in range(steps):
+            i, f, g, o = tf.split(tf.matmul(tf.concat([seq[t], h], 1), w) + b, 4, 1)
+            c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+            h = tf.sigmoid(o) * tf.tanh(c)
+            out.append(h)
+        seq = out
+    return tf.reduce_mean(tf.square(tf.stack(seq))), ws + bs
+
+
+@pytest.mark.heavy
+def test_unrolled_lstm_weight_gradient_pieces():
+    """Each step's weight gradient is a piece the size of the weights (2 MiB
+    here), and TF holds a tensor's pieces until it sums them. memsave must
+    not keep one running sum per variable read (it measured above plain that
+    way), and its estimate must count the pieces."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, vs = _unrolled_lstm()
+        plain = tf.gradients(loss, vs)
+        ours = memsave.gradients(loss, vs, checkpoints="optimal")
+        estimate = memsave.profile.estimate_peak(loss, vs, checkpoints="optimal")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            plain_peak = peak_memory(session_step(sess, plain))
+            our_peak = peak_memory(session_step(sess, ours))
+            a, b = sess.run([ours, plain])
+    for g, p in zip(a, b):
+        np.testing.assert_allclose(g, p, rtol=1e-5, atol=1e-5 * np.abs(p).max())
+    print("unrolled LSTM: plain %.1f MiB, optimal %.1f MiB (estimate %.1f MiB)"
+          % (plain_peak / 2**20, our_peak / 2**20, estimate / 2**20))
+    assert our_peak <= 0.7 * plain_peak          # measured 28.5 vs 138 MiB
+    assert abs(estimate - our_peak) <= 0.25 * our_peak   # measured 26.0 vs 28.5 MiB

@@ -173,6 +173,7 @@ def test_gpu_placed_graph_runs_with_soft_placement():
     _assert_runs_equal(graph, plain, grads)
 
 
+@pytest.mark.heavy
 def test_two_logical_cpus_stand_in_for_host_and_device(tmp_path):
     """Host CPU:0, device CPU:1: the swap-in runs on CPU:1 (checked in a fresh process,
     since logical devices must be set before TensorFlow starts)."""
@@ -248,9 +249,10 @@ def test_everything_offloaded_chain_estimate():
               no_prefetch.estimated_peak_bytes / activation,
               prefetch.estimated_peak_bytes / activation,
               prefetch.plain_peak_bytes / activation, prefetch.host_bytes / activation))
-    assert no_prefetch.estimated_peak_bytes <= 3 * activation
+    # The weight gradients (64 x 16 KiB) are counted on top.
+    assert no_prefetch.estimated_peak_bytes <= 3 * activation + weights
     # Prefetching holds the next swap-in during the last op of a segment.
-    assert prefetch.estimated_peak_bytes <= 3 * activation + weights
+    assert prefetch.estimated_peak_bytes <= 3 * activation + 2 * weights
     assert prefetch.host_bytes == 127 * activation
     assert prefetch.plain_peak_bytes >= 64 * activation
 

@@ -763,3 +763,29 @@ def test_plain_gradients_before_memsave_through_cond(mode):
         a, b, c = [[t.numpy() for t in r] for r in step()]
     assert_close(a[0], b[0], "cond gradient")
     assert_close(a[0], c[0], "cond gradient, second call")
+
+
+@pytest.mark.parametrize("strategy", ["list", "optimal", "memory", "speed"])
+def test_checkpoint_made_by_a_function_call(strategy):
+    """tf.gradients differentiates a function call even when its output is in
+    stop_gradients. A segment that asks for an x the call's inputs depend on
+    must not get the call's share of that gradient a second time."""
+    rng = np.random.RandomState(3)
+    w = tf.Variable(rng.randn(16, 16).astype(np.float32) * 0.3)
+    x0 = rng.randn(8, 16).astype(np.float32)
+    inner = tf.function(lambda a: tf.sin(a) * a)
+
+    @tf.function
+    def step():
+        x = tf.constant(x0)
+        below = tf.tanh(x @ w)
+        h = inner(below)                       # a checkpoint made by a call
+        top = tf.tanh(h @ w) * x               # the top segment reads x and w again
+        loss = tf.reduce_sum(top * top)
+        checkpoints = [h] if strategy == "list" else strategy
+        ours = memsave.gradients(loss, [x, w], checkpoints=checkpoints, min_checkpoint_size=0)
+        return ours, tf.gradients(loss, [x, w])
+
+    ours, plain = step()
+    for a, b in zip(ours, plain):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5 * np.abs(b).max())

@@ -68,9 +68,12 @@ def test_shapes_hint_sizes_the_plan_as_known_shapes_would():
     # activations all do, so the estimates match the known-shape graph's.
     assert hinted.plain_peak_bytes == known.plain_peak_bytes
     assert hinted.checkpoints == known.checkpoints == by_name.checkpoints
-    assert blind.plain_peak_bytes < known.plain_peak_bytes / 1000
+    # Blind, activations are sized as 1 element per unknown axis; only the
+    # weight gradients (known shapes) keep their size.
+    assert blind.plain_peak_bytes < known.plain_peak_bytes / 10
 
 
+@pytest.mark.heavy
 def test_unet_with_unknown_height_and_width():
     """Issue #11 of the original library: 'optimal' >= 40% below plain."""
     data = np.random.RandomState(1).randn(B, S, S, 3).astype(np.float32)

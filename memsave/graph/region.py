@@ -10,7 +10,9 @@ all the planners see; op types become neutral flags through
 import dataclasses
 import logging
 
-from tensorflow.python.framework import ops as tf_ops
+import tensorflow as tf
+
+from memsave import tf_internal
 
 from memsave.errors import V1ControlFlowError
 from memsave.graph import optable
@@ -29,7 +31,7 @@ def differentiable(t):
 class Region:
     """Ops between ``xs`` and ``ys``, in a deterministic topological order."""
 
-    graph: tf_ops.Graph
+    graph: tf.Graph
     ys: list
     xs: list
     order: list            # region ops, topological
@@ -54,7 +56,7 @@ class Region:
 def has_gradient(op):
     """True if TensorFlow can backprop through ``op``."""
     try:
-        return tf_ops.get_gradient_function(op) is not None
+        return tf_internal.get_gradient_function(op) is not None
     except LookupError:
         return False
 
@@ -188,8 +190,11 @@ def to_plan_graph(region, batch_size=None, shapes=None):
     read_in_place = {t.name for op in region.pinned for t in op.inputs}
     leaf_xs = region.leaf_xs
     for i, x in enumerate(leaf_xs):
+        elements = num_elements(shape_of(x), batch_size or 1)
         g.add_tensor(x.name, order=-len(leaf_xs) + i, elements=num_elements(x.shape),
-                     op_type=x.op.type, x=True)
+                     op_type=x.op.type, x=True,
+                     grad_bytes=(elements * x.dtype.size
+                                 if differentiable(x) and elements is not None else None))
     x_names = {x.name for x in leaf_xs}
     index, unknown = 0, 0
     for op in region.order:
@@ -200,9 +205,11 @@ def to_plan_graph(region, batch_size=None, shapes=None):
         for t in op.outputs:
             shape = shape_of(t)
             n = num_elements(shape, batch_size or 1)
+            size = None if n is None else n * max(t.dtype.size, 1)
             g.add_tensor(t.name, order=index, elements=n,
                          sized_exactly=shape.is_fully_defined() or bool(batch_size),
-                         bytes=0 if alias else None if n is None else n * max(t.dtype.size, 1),
+                         bytes=0 if alias else size,
+                         grad_bytes=size if alias and differentiable(t) else None,
                          cost=float(cost), op_type=op.type, y=t.name in y_names,
                          forced=t.name in forced, saved=t.name in saved,
                          grad_reads_output=t.name in reads_output,

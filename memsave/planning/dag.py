@@ -42,6 +42,12 @@ class TensorNode:
     reads the input activation plus an input gradient that does not; the
     rewrite runs the first one first, see :mod:`memsave.planning.rules`),
     ``input_read`` (an alias of an x, such as a variable read: no memory).
+
+    ``grad_bytes`` is the size of the gradient piece each reader's backward
+    sends to an x or an alias of one (None: nothing to count). Those pieces
+    are not activations, but TensorFlow holds all of a tensor's pieces until
+    it sums them, so a weight that an unrolled RNN reads at every step costs
+    one piece per step.
     """
 
     order: int
@@ -61,6 +67,7 @@ class TensorNode:
     expensive: bool = False
     split_gradient: bool = False
     input_read: bool = False
+    grad_bytes: typing.Optional[int] = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -69,7 +76,7 @@ class TensorNode:
                 raise PlanGraphError("%s must be a bool, got %r" % (field.name, value))
         if isinstance(self.order, bool) or not isinstance(self.order, (int, float)):
             raise PlanGraphError("order must be a number, got %r" % (self.order,))
-        for name in ("elements", "bytes"):
+        for name in ("elements", "bytes", "grad_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):

@@ -10,7 +10,8 @@ class Plan:
     ``checkpoints`` are tensor names in topological order, chosen by the
     strategy; ``forced`` are tensors that must be kept whatever the strategy
     (outputs of ops that must not be recomputed). Byte estimates count
-    activations only, from the shapes the planning graph carries
+    activations, their gradients and the gradient pieces of the xs, not the
+    xs themselves, from the shapes the planning graph carries
     (``unknown_dims`` counts tensors sized with a guess).
     ``offloaded`` are kept tensors that wait in host memory between the
     forward pass and their use; the estimated peak is then device memory,
@@ -44,7 +45,7 @@ class Plan:
             return "%.1f MB" % (b / 2**20)
         lines = ["memsave plan (%s): %d checkpoint(s), %d forced" % (
             self.strategy, len(self.checkpoints), len(self.forced))]
-        lines.append("  estimated activation peak: %s (plain: %s)" % (
+        lines.append("  estimated backward peak: %s (plain: %s)" % (
             mb(self.estimated_peak_bytes), mb(self.plain_peak_bytes)))
         if self.offloaded:
             lines.append("  offloads %d tensor(s) to the host: %s" % (

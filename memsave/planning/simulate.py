@@ -19,8 +19,14 @@ activation that no other gradient reads is freed before its own gradient is
 allocated.
 
 With nothing kept it models plain backprop, which keeps every saved
-activation of the forward pass (one segment holding everything). Sizes are
-activation bytes only.
+activation of the forward pass (one segment holding everything).
+
+Gradients of the xs (weights) count too: each reader's backward makes a
+piece the size of the x; TensorFlow keeps a tensor's pieces until it sums
+them, so pieces pile up until the segment's last one, and one sum per x then
+lives to the end of the step. A weight read by every step of an unrolled RNN
+is where this matters. Reads of xs (``aliases``) are differentiated in
+place, never kept, as the rewrite does.
 
 Offloaded kept tensors live in host memory. On the device, each is swapped
 in for the segment that reads it; it stays through that segment's backward
@@ -34,7 +40,8 @@ import collections
 from memsave.planning.dag import node_bytes, topological
 from memsave.planning.rules import reducer_runs_first
 
-Prepared = collections.namedtuple("Prepared", "names index size saved preds ys forced early")
+Prepared = collections.namedtuple(
+    "Prepared", "names index size saved preds ys forced early aliases pieces")
 
 
 def _freed_early(graph, names, size, saved, preds):
@@ -71,7 +78,39 @@ def prepare(graph):
     ys = [i for i, n in enumerate(names) if graph.nodes[n]["y"]]
     forced = {i for i, n in enumerate(names) if graph.nodes[n]["forced"]}
     early = _freed_early(graph, names, size, saved, preds)
-    return Prepared(names, index, size, saved, preds, ys, forced, early)
+    aliases, pieces = _gradient_pieces(graph, names, index)
+    return Prepared(names, index, size, saved, preds, ys, forced, early, aliases, pieces)
+
+
+def _gradient_pieces(graph, names, index):
+    """Where gradients of xs are made, as the rewrite makes them.
+
+    Returns (aliases, pieces). ``aliases`` maps each read of an x (a
+    variable read, ``input_read`` with only xs as inputs) to that x: the
+    rewrite differentiates such a read in place on the way to its x instead
+    of keeping it as a checkpoint. ``pieces[i]`` lists (x, bytes) for every
+    gradient piece node ``i``'s backward sends to an x, directly or through
+    an alias.
+    """
+    nodes = graph.nodes
+    aliases = {}
+    for n in names:
+        if nodes[n]["input_read"]:
+            preds = list(graph.predecessors(n))
+            if preds and all(nodes[q]["x"] for q in preds):
+                aliases[index[n]] = preds[0]
+    pieces = [[] for _ in names]
+    for i, n in enumerate(names):
+        for q in graph.predecessors(n):
+            if q in index and index[q] in aliases:
+                root, nbytes = aliases[index[q]], nodes[q]["grad_bytes"]
+            elif nodes[q]["x"]:
+                root, nbytes = q, nodes[q]["grad_bytes"]
+            else:
+                continue
+            if nbytes:
+                pieces[i].append((root, nbytes))
+    return aliases, pieces
 
 
 def _segments(p, kept):
@@ -96,7 +135,7 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     p = prepared or prepare(graph)
     # Plain backprop (nothing kept) has no reordering edges.
     early_free = p.early if kept else {}
-    kept = {p.index[n] for n in kept if n in p.index} | p.forced
+    kept = ({p.index[n] for n in kept if n in p.index} | p.forced) - set(p.aliases)
     off = {p.index[n] for n in offloaded if n in p.index} & kept
     size = p.size
     segments = _segments(p, kept)
@@ -118,12 +157,17 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     grad_sums = {}
     freed = set()
     peak = alive_kept
+    # Gradients of xs: pieces wait for the segment's last one (TF sums a
+    # tensor's pieces with one AddN), then one running sum per x lives on.
+    held, totals = 0, set()
     for i, ((name, boundary, members), touched) in enumerate(zip(segments, reads)):
         saved = sum(size[n] for n in members if p.saved[n])
         flight = {b: (grad_sums.pop(b, size[b]) if b in kept else size[b]) for b in boundary}
         in_flight = sum(flight.values())
         sums = sum(grad_sums.values())
-        peak = max(peak, alive_kept + sums + saved + in_flight + swap_fwd[i])
+        peak = max(peak, alive_kept + sums + saved + in_flight + swap_fwd[i] + held)
+        left = collections.Counter(root for n in members for root, _ in p.pieces[n])
+        pending = collections.Counter()
         swapped = swap_bwd[i]
         for step, n in enumerate(reversed(members)):
             if step == len(members) - 1:
@@ -132,7 +176,7 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
             in_flight -= g
             early = [q for q in early_free.get(n, ()) if q not in kept]
             if early:   # the weight gradient runs first and frees its input
-                peak = max(peak, alive_kept + sums + saved + in_flight + g + swapped)
+                peak = max(peak, alive_kept + sums + saved + in_flight + g + swapped + held)
                 saved -= sum(size[q] for q in early)
                 freed.update(early)
             partials = 0
@@ -146,7 +190,21 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
                 elif q not in flight:
                     flight[q] = size[q]
                     in_flight += size[q]
-            peak = max(peak, alive_kept + sums + saved + in_flight + g + partials + swapped)
+            for root, nbytes in p.pieces[n]:
+                pending[root] += nbytes
+                held += nbytes
+            base = alive_kept + sums + saved + in_flight + g + partials + swapped
+            peak = max(peak, base + held)
+            for root, nbytes in p.pieces[n]:
+                left[root] -= 1
+                if left[root] == 0 and pending[root]:
+                    # The segment's sum (and the new running sum) appear while
+                    # the pieces are still alive.
+                    peak = max(peak, base + held + nbytes)
+                    held -= pending.pop(root)
+                    if root not in totals:
+                        totals.add(root)
+                        held += nbytes
             if p.saved[n] and n not in freed:
                 saved -= size[n]
         for k in touched:
