@@ -116,7 +116,7 @@ def child(name, quick, pairs):
         try:
             first = timed(step)
         except (memsave.NoBottleneckError, ValueError) as e:
-            rows.append(dict(model=name, config=label, error=str(e).split("\n")[0][:200]))
+            rows.append(dict(model=name, config=label, error=_error_line(e)))
             continue
         once = timed(step)
         steps[label] = step
@@ -208,6 +208,14 @@ def plot(summary, path):
         ax.set_ylabel("peak / plain")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _error_line(error):
+    """The message of ``error``, without the traceback tf.function puts before it."""
+    lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+    named = [l for l in lines if "Error:" in l]
+    return "%s: %s" % (type(error).__name__, (named[-1].split("Error:", 1)[1].strip()
+                                               if named else lines[-1] if lines else ""))[:300]
 
 
 def main(argv=None):
