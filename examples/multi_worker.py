@@ -153,18 +153,8 @@ def worker(args):
         x = tf.constant(np.random.RandomState(1000 + task).randn(*net.x.shape)
                         .astype(np.float32))
 
-        def step(net=net, x=x, make_tape=make_tape):
-            def replica_step():
-                with make_tape() as tape:
-                    loss = net.forward(x)
-                grads = tape.gradient(loss, net.weights)
-                grads = tf.distribute.get_replica_context().all_reduce("SUM", grads)
-                for v, g in zip(net.weights, grads):
-                    v.assign_sub(args.lr / replicas * g)
-                return loss
-            return strategy.run(replica_step)
-
-        runs[name] = {"net": net, "step": tf.function(step)}
+        runs[name] = {"net": net,
+                      "step": tf.function(sgd_step(strategy, net, x, make_tape, args.lr))}
 
     def run_once(name):
         out = runs[name]["step"]()
@@ -221,6 +211,24 @@ def worker(args):
 
 # ---------------------------------------------------------------------------
 # Launcher
+
+def sgd_step(strategy, net, x, make_tape, lr):
+    """One data-parallel SGD step on ``net``: each replica's gradients from a
+    tape made by ``make_tape``, summed over all replicas, averaged into the update."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def step():
+        def replica_step():
+            with make_tape() as tape:
+                loss = net.forward(x)
+            grads = tape.gradient(loss, net.weights)
+            grads = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+            for v, g in zip(net.weights, grads):
+                v.assign_sub(lr / strategy.num_replicas_in_sync * g)
+            return loss
+        return strategy.run(replica_step)
+    return step
+
 
 def free_ports(n):
     """``n`` distinct free TCP ports on 127.0.0.1 (bound to port 0, then released)."""

@@ -374,10 +374,10 @@ from tensorflow.python.eager import context
 import memsave
 from memsave.profile import peak_memory
 from benchmarks.models import SIZES, build_resnet
+from examples.multi_worker import sgd_step
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 task = strategy.cluster_resolver.task_id
-n = strategy.num_replicas_in_sync
 local = strategy.extended.worker_devices[0]
 
 
@@ -386,17 +386,7 @@ def train(make_tape, steps=3):
         net = build_resnet(np.random.RandomState(0), SIZES["tiny"]["resnet"])
     x = tf.constant(np.random.RandomState(100 + task).randn(*net.x.shape).astype(np.float32))
 
-    @tf.function
-    def step():
-        def replica_step():
-            with make_tape() as tape:
-                loss = net.forward(x)
-            grads = tape.gradient(loss, net.weights)
-            grads = tf.distribute.get_replica_context().all_reduce("SUM", grads)
-            for v, g in zip(net.weights, grads):
-                v.assign_sub(0.05 / n * g)
-            return loss
-        return strategy.run(replica_step)
+    step = tf.function(sgd_step(strategy, net, x, make_tape, 0.05))
 
     step()
     peak = peak_memory(step, warmup=0, device="CPU:0")

@@ -13,6 +13,7 @@ import memsave
 from memsave import api, patching
 from memsave.patching import call_count
 from memsave.profile import peak_memory, session_step
+from tests.builders import tanh_chain
 from tests.test_memory import ACTIVATION, _chain
 
 POINTS = [
@@ -54,14 +55,8 @@ def test_unpatch_restores_originals():
 
 
 def test_patched_tf_gradients_matches_plain():
-    graph = tf.Graph()
+    graph, _, ws, _, loss = tanh_chain(12, scale=0.3, square=False)
     with graph.as_default():
-        rng = np.random.RandomState(0)
-        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.3) for _ in range(12)]
-        h = tf.constant(rng.randn(4, 8).astype(np.float32))
-        for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-        loss = tf.reduce_sum(h)
         plain = tf.gradients(loss, ws)
         with memsave.patch("memory", min_checkpoint_size=0):
             v2 = tf.gradients(loss, ws)
@@ -136,14 +131,7 @@ def _same(a, b):
 
 
 def _small_graph():
-    graph = tf.Graph()
-    with graph.as_default():
-        rng = np.random.RandomState(0)
-        ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.3) for _ in range(6)]
-        h = tf.constant(rng.randn(4, 8).astype(np.float32))
-        for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-        loss = tf.reduce_sum(h)
+    graph, _, ws, _, loss = tanh_chain(6, scale=0.3, square=False)
     return graph, loss, ws
 
 

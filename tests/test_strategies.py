@@ -16,6 +16,7 @@ import memsave
 from memsave import planning
 from memsave.errors import PlanGraphError, StrategyError
 from memsave.planning import PlanGraph, rules, simulate_peak
+from tests.builders import tanh_chain
 
 ROOT = pathlib.Path(memsave.__file__).resolve().parent
 MB = 2**20
@@ -143,16 +144,10 @@ def test_reducer_rule_is_one_rule():
 
 # ------------------------------------------------------- strategies as callables
 
-def _tf_chain(graph, n=8, width=64):
-    with graph.as_default():
-        rng = np.random.RandomState(0)
-        x = tf.constant(rng.randn(1024, width).astype(np.float32))  # 256 KiB activations
-        ws = [tf.Variable(rng.randn(width, width).astype(np.float32) * 0.2) for _ in range(n)]
-        h, acts = x, []
-        for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-            acts.append(h)
-        return tf.reduce_sum(h * h), ws, acts
+def _tf_chain(graph):
+    """8 layers whose 256 KiB activations outweigh the weights, so plans differ."""
+    chain = tanh_chain(8, batch=1024, width=64, scale=0.2, graph=graph)
+    return chain.loss, chain.ws, chain.hs
 
 
 def _same_as_plain(graph, loss, ws, grads):

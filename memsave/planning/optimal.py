@@ -28,6 +28,7 @@ from memsave.planning.strategies import memory, speed_candidates
 
 logger = logging.getLogger("memsave")
 
+
 def _linearize(graph):
     nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d["x"]])
     position = {n: i for i, n in enumerate(nodes)}
