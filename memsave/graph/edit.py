@@ -60,7 +60,7 @@ def copy_op(graph, op, inputs, name, control=()):
     """
     control = list(control)
     with graph.name_scope(None), graph.control_dependencies(None):
-        if control and op.type in _GROWS_INPUTS:
+        if control and op.type in WAIT_THROUGH_INPUT:
             inputs = list(inputs)
             inputs[0] = _gated(graph, inputs[0], control, op.device, name + "/memsave_gate")
             control = []
@@ -91,11 +91,18 @@ def copy_op(graph, op, inputs, name, control=()):
     return new
 
 
-# while_v2's gradient, in a plain Graph, appends accumulator inputs to the
-# forward While. A NodeDef must list data inputs before control inputs, so a
-# copied While cannot carry control inputs itself; it waits through a gated
-# first input (the loop counter) instead.
-_GROWS_INPUTS = frozenset({"While", "StatelessWhile"})
+# Copies of these ops wait through a gated first input (an Identity that
+# carries the control inputs) instead of carrying control inputs themselves:
+# - While, StatelessWhile: while_v2's gradient, in a plain Graph, appends
+#   accumulator inputs to the forward While, and a NodeDef must list data
+#   inputs before control inputs.
+# - Pow: Grappler's arithmetic optimizer turns Pow(x, 3) into x * Square(x)
+#   by copying the Pow node and dropping its *last* input, which is a control
+#   input when there is one; the Square then has two data inputs, Grappler
+#   rejects the whole function's optimization ("Ignoring multi-device
+#   function optimization failure") and the step runs unoptimized (GELU's
+#   x**3 made GPT2 and BERT steps 20-30% slower, TF 2.21).
+WAIT_THROUGH_INPUT = frozenset({"While", "StatelessWhile", "Pow"})
 
 
 def _gated(graph, t, control, device, name):
