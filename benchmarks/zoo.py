@@ -45,6 +45,7 @@ CONFIGS = (
     ("speed", "speed", {}),
     ("optimal, budget=0.5", "optimal", {"budget": 0.5}),
     ("optimal, max_recompute=0.1", "optimal", {"max_recompute": 0.1}),
+    ("optimal, max_recompute=0.3", "optimal", {"max_recompute": 0.3}),
 )
 # (batch, image side) per model: activations outweigh weights.
 SIZES = {"ResNet50": (8, 128), "DenseNet121": (8, 128), "MobileNetV2": (16, 128),

@@ -291,7 +291,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     :mod:`memsave.planning.registry` and :mod:`memsave.planning.policies`).
     With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
     when below 1) asks for the plan that fits it with the least recompute,
-    and ``max_recompute`` (a fraction of one forward pass's FLOPs) for the
+    and ``max_recompute`` (a fraction of one forward pass's work) for the
     lowest peak that recomputes at most that much.
     Dimensions the graph leaves unknown are sized from ``shapes`` (``{tensor
     or name: shape}`` for inputs), else from the shapes the same tf.function

@@ -56,3 +56,22 @@ def plan_chain(n, size=MB, op_types=("Tanh",), expensive=("MatMul",), saved=True
                  y=True)
     g.add_edge(prev, "y")
     return g
+
+
+def residual_chain(n=5, batch=4, width=8, scale=0.3, graph=None, seed=0):
+    """x -> h + tanh(h @ w_i) n times -> sum(h * h): a residual stream, as in
+    transformers and ResNets, in a tf.Graph (``hs`` are the matmul outputs)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    graph = graph or tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(seed)
+        ws = [tf.Variable(rng.randn(width, width).astype(np.float32) * scale, name="w%d" % i)
+              for i in range(n)]
+        x = tf.constant(rng.randn(batch, width).astype(np.float32), name="x")
+        h, hs = x, []
+        for w in ws:
+            a = tf.matmul(h, w)
+            hs.append(a)
+            h = h + tf.tanh(a)
+        loss = tf.reduce_sum(h * h)
+    return Chain(graph, x, ws, hs, loss)

@@ -24,8 +24,9 @@ class TensorNode:
 
     Sizes: ``elements``/``bytes`` are None when the rank is unknown;
     ``sized_exactly`` is False when some dimension was guessed. ``bytes`` of
-    an x is not counted (xs live for the whole step). ``cost`` is the FLOPs
-    of the op that produces the tensor (recomputing it costs that much).
+    an x is not counted (xs live for the whole step). ``cost`` is the work
+    of the op that produces the tensor, FLOPs plus memory traffic in
+    FLOP-equivalents (recomputing it costs that much).
 
     Roles: ``x`` (differentiated against; outside the recomputable region),
     ``y`` (differentiated), ``forced`` (kept whatever the strategy: an op

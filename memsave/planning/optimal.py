@@ -23,8 +23,8 @@ from memsave.errors import BudgetError
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
-from memsave.planning.simulate import prepare, simulate_peak
-from memsave.planning.strategies import memory, speed_candidates
+from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
+from memsave.planning.strategies import memory, recompute_once, speed_candidates
 
 logger = logging.getLogger("memsave")
 
@@ -88,29 +88,49 @@ def _kept(nodes, last_use, candidate, cuts):
     return [nodes[i] for i in np.nonzero(across & candidate)[0]]
 
 
-def recompute_flops(graph, kept):
-    """FLOPs the rewrite recomputes with ``kept`` checkpoints.
+def recompute_flops(graph, kept, prepared=None):
+    """FLOPs the rewrite recomputes with ``kept`` checkpoints (see
+    :func:`memsave.planning.simulate.recompute_cost`: an op below kept
+    tensors of several segments counts once per segment)."""
+    return recompute_cost(graph, kept, prepared)
 
-    Every op between xs and ys is copied once, but a kept tensor's copy is
-    only run when its own gradient reads it (tanh, relu); for matmuls and
-    convolutions the copy is never needed, so keeping them saves their FLOPs.
+
+def _selective(graph, prepared, cap):
+    """Kept sets for a recompute cap: every candidate but the cheapest to
+    recompute per byte, as many of those dropped as ``cap`` allows.
+
+    Elementwise outputs (layer norm, GELU, softmax: a few FLOP-equivalents
+    per byte) go first, then matmuls over short inner dimensions (attention
+    scores), as Megatron-LM's selective recomputation does; what several
+    segments would each recompute is kept again (:func:`recompute_once`).
+    The count dropped is binary-searched on the recompute estimate, and a
+    few smaller counts compete on the peak estimate.
     """
-    kept = set(kept)
-    total = 0.0
-    for n, d in graph.nodes(data=True):
-        if d["x"] or d["forced"]:
-            continue
-        if n in kept and not d["grad_reads_output"]:
-            continue
-        total += d["cost"]
-    return total
+    nodes = graph.nodes
+    order = sorted((n for n, d in nodes(data=True) if d["candidate"]),
+                   key=lambda n: nodes[n]["cost"] / max(node_bytes(graph, n), 1))
+    made = {}
+
+    def kept_after(count):
+        if count not in made:
+            made[count] = recompute_once(graph, order[count:], prepared)
+        return made[count]
+
+    lo, hi = 0, len(order)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if recompute_flops(graph, kept_after(mid), prepared) <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return [kept_after(c) for c in sorted({lo, lo * 7 // 8, lo * 3 // 4, lo // 2}) if c]
 
 
 def forward_flops(graph):
     return sum(d["cost"] for _, d in graph.nodes(data=True) if not d["x"])
 
 
-def plans(graph, values=8, prefer_speed=False, offload_model=None):
+def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None):
     """Candidate plans: (estimated peak, recompute FLOPs, kept) for a grid of limits.
 
     One pass minimizes kept bytes. With ``prefer_speed`` a second pass counts
@@ -122,6 +142,7 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None):
     nodes, last_use, keep_bytes, seg_bytes = _linearize(graph)
     if not nodes:
         return []
+    prepared = prepared or prepare(graph)
     candidate = np.array([graph.nodes[n]["candidate"] for n in nodes], dtype=bool)
     prefix = np.concatenate([[0.0], np.cumsum(seg_bytes)])
     total = prefix[-1]
@@ -142,7 +163,7 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None):
         peak = sum(node_bytes(graph, n) for n in kept) + _largest_segment(prefix, cuts)
         key = tuple(kept)
         if key not in found:
-            found[key] = (float(peak), recompute_flops(graph, kept), kept)
+            found[key] = (float(peak), recompute_flops(graph, kept, prepared), kept)
         return peak
 
     passes = [keep_bytes]
@@ -205,7 +226,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     # The DP's own estimate (kept + largest segment) ranks candidates; only
     # the promising ones are simulated.
     candidates = plans(graph, prefer_speed=limit is not None or cap is not None,
-                       offload_model=model if offload else None)
+                       offload_model=model if offload else None, prepared=prepared)
     if cap is not None:
         candidates = [c for c in candidates if c[1] <= cap]
     # (The DP's estimate ignores offloading: with it, every candidate is simulated.)
@@ -224,13 +245,14 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     if cap is not None:
         # Keeping every matmul/conv output and recomputing only the cheap ops
         # between them (selective recomputation) is what a tight cap allows.
-        kept_sets.append(speed_candidates(graph))
+        kept_sets.append(recompute_once(graph, speed_candidates(graph), prepared))
+        kept_sets += _selective(graph, prepared, cap)
 
     options = []
     for kept in kept_sets:
         everything = set(kept) | set(forced)
         # Nothing kept at all is plain backprop: nothing recomputed.
-        flops = recompute_flops(graph, kept) if everything else 0.0
+        flops = recompute_flops(graph, kept, prepared) if everything else 0.0
         if cap is not None and flops > cap:
             continue
         choices = [()]

@@ -118,15 +118,91 @@ def _segments(p, kept):
     seeds = [(None, p.ys)] + [(k, [k]) for k in sorted(kept, reverse=True)]
     result = []
     for name, boundary in seeds:
-        seen, stack = set(), list(boundary)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(q for q in p.preds[n] if q not in kept)
-        result.append((name, boundary, sorted(seen)))
+        result.append((name, boundary, sorted(_closure(p, boundary, kept))))
     return result
+
+
+def _closure(p, boundary, kept):
+    """``boundary`` and what backprop below it recomputes: walks stop at kept nodes."""
+    seen, stack = set(), list(boundary)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(q for q in p.preds[n] if q not in kept)
+    return seen
+
+
+def kept_indices(p, kept):
+    """Indices of what the rewrite keeps: ``kept`` and the forced nodes, less
+    reads of xs (differentiated in place, never kept)."""
+    return ({p.index[n] for n in kept if n in p.index} | p.forced) - set(p.aliases)
+
+
+def rewrite_segments(p, kept):
+    """Node indices each backward segment copies, as the rewrite groups them.
+
+    The ys' segment first; then one per *level* of kept nodes (a level
+    depends only on earlier ones through unkept nodes; see
+    ``memsave.rewrite._checkpoint_levels``), last level first. A node below
+    kept nodes of several levels is copied once per level: the rewrite
+    recomputes it that many times.
+    """
+    closures, level = {}, {}
+    for k in sorted(kept):  # topological indices: a node's deps come first
+        closures[k] = _closure(p, [k], kept)
+        deps = {q for n in closures[k] for q in p.preds[n] if q in kept and q != k}
+        level[k] = 1 + max((level[d] for d in deps), default=-1)
+    by_level = collections.defaultdict(set)
+    for k, members in closures.items():
+        by_level[level[k]].update(members)
+    return [_closure(p, p.ys, kept)] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
+
+
+def recompute_cost(graph, kept, prepared=None, segments=None):
+    """Cost (FLOPs, see ``TensorNode.cost``) that the rewrite recomputes keeping ``kept``.
+
+    Every unkept node a segment copies runs once per segment that copies it.
+    A kept node's own copy runs only when its gradient reads its output
+    (tanh, relu); a matmul's or convolution's never does. Variable reads are
+    never copied. (With nothing kept and nothing forced, memsave runs plain
+    backprop instead, which recomputes nothing; callers check that case.)
+    """
+    p = prepared or prepare(graph)
+    idx = kept_indices(p, kept)
+    nodes = graph.nodes
+    total = 0.0
+    for members in segments if segments is not None else rewrite_segments(p, idx):
+        for n in members:
+            data = nodes[p.names[n]]
+            if n in p.aliases or (n in idx and not data["grad_reads_output"]):
+                continue
+            if n in p.forced:
+                continue
+            total += data["cost"]
+    return total
+
+
+def shared_recomputation(graph, kept, prepared=None):
+    """Unkept nodes that more than one segment recomputes, latest first.
+
+    Only the latest of them (none of whose consumers is also shared) are
+    returned: keeping those stops every walk that went further back.
+    """
+    p = prepared or prepare(graph)
+    idx = kept_indices(p, kept)
+    counts = collections.Counter()
+    for members in rewrite_segments(p, idx):
+        counts.update(n for n in members if n not in idx)
+    shared = {n for n, c in counts.items() if c > 1}
+    succ = collections.defaultdict(set)
+    for n in shared:
+        for q in p.preds[n]:
+            succ[q].add(n)
+    latest = [n for n in shared if not succ[n]]
+    return [p.names[n] for n in sorted(latest, reverse=True)
+            if graph.nodes[p.names[n]]["candidate"]]
 
 
 def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
@@ -135,7 +211,7 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     p = prepared or prepare(graph)
     # Plain backprop (nothing kept) has no reordering edges.
     early_free = p.early if kept else {}
-    kept = ({p.index[n] for n in kept if n in p.index} | p.forced) - set(p.aliases)
+    kept = kept_indices(p, kept)
     off = {p.index[n] for n in offloaded if n in p.index} & kept
     size = p.size
     segments = _segments(p, kept)

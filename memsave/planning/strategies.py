@@ -15,7 +15,7 @@ from memsave.errors import NoBottleneckError
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.plan import Plan
-from memsave.planning.simulate import simulate_peak
+from memsave.planning.simulate import prepare, shared_recomputation, simulate_peak
 
 logger = logging.getLogger("memsave")
 
@@ -76,16 +76,37 @@ def speed_candidates(graph):
                                if d["candidate"] and d["expensive"]])
 
 
-def speed(graph):
-    """Keep the outputs of expensive ops (matmuls, convolutions, einsums).
+def recompute_once(graph, kept, prepared=None, rounds=8):
+    """``kept`` grown until no tensor is recomputed by more than one segment.
 
-    Backprop then recomputes only cheap elementwise work, so the step time
-    barely rises; memory drops less than with 'memory'. To keep the outputs
-    of other op types, use :func:`memsave.planning.keep_op_types`.
+    The rewrite copies what each segment needs down to the kept tensors, so
+    an unkept tensor below kept tensors of several segments is recomputed
+    once per segment: keeping only the matmul outputs of a transformer
+    recomputes the residual stream from the embeddings in every segment
+    (quadratic in depth). Each round keeps the latest such tensors, which
+    ends the walks that went further back.
+    """
+    prepared = prepared or prepare(graph)
+    kept = list(kept)
+    for _ in range(rounds):
+        shared = shared_recomputation(graph, kept, prepared)
+        if not shared:
+            break
+        kept += shared
+    return topological(graph, set(kept))
+
+
+def speed(graph):
+    """Keep the outputs of expensive ops (matmuls, convolutions, einsums), and
+    what several segments would otherwise each recompute.
+
+    Backprop then recomputes only cheap elementwise work, once, so the step
+    time barely rises; memory drops less than with 'memory'. To keep the
+    outputs of other op types, use :func:`memsave.planning.keep_op_types`.
     """
     chosen = speed_candidates(validate(graph))
     notes = [] if chosen else ["no matmul/conv/einsum outputs between xs and ys"]
-    return plan_for(graph, chosen, "speed", notes)
+    return plan_for(graph, recompute_once(graph, chosen) if chosen else chosen, "speed", notes)
 
 
 def bottlenecks(graph):

@@ -1,0 +1,126 @@
+"""The recompute estimate counts what the rewrite really runs.
+
+The rewrite copies, for each segment, everything below its kept tensors
+down to the next kept ones; a tensor below kept tensors of several segments
+is copied (and recomputed) once per segment. Keeping only the matmul outputs
+of a residual network recomputes the residual stream from the input in
+every segment. The estimate must count those copies, 'speed' must not make
+them, and a recompute cap must hold on the copies the rewrite makes.
+"""
+
+import collections
+import importlib
+import re
+
+import numpy as np
+import tensorflow as tf
+
+import memsave
+from memsave.graph.region import FLOPS_PER_BYTE, op_cost
+from memsave.planning import simulate
+from tests import builders
+
+optimal_module = importlib.import_module("memsave.planning.optimal")
+
+
+def _copies(graph):
+    """{original op name: number of copies} made by memsave's rewrite."""
+    out = collections.Counter()
+    for op in graph.get_operations():
+        m = re.match(r"memsave_\d+/(.*)", op.name)
+        if m and "/gradients" not in op.name and not op.name.endswith("memsave_gate"):
+            out[m.group(1)] += 1
+    return out
+
+
+def _run(chain, strategy):
+    with chain.graph.as_default():
+        grads = memsave.gradients(chain.loss, chain.ws, checkpoints=strategy)
+        plain = tf.gradients(chain.loss, chain.ws)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run([grads, plain])
+    for g, p in zip(got, want):
+        np.testing.assert_allclose(g, p, rtol=1e-5, atol=1e-5 * np.abs(p).max())
+
+
+def test_segments_model_the_copies_the_rewrite_makes():
+    chain = builders.residual_chain(n=5)
+    matmuls = [t.name for t in chain.hs]
+    seen = {}
+
+    def matmul_outputs(graph):
+        p = simulate.prepare(graph)
+        segments = simulate.rewrite_segments(p, simulate.kept_indices(p, matmuls))
+        # Variable reads are never copied: they alias the variable.
+        seen["counts"] = collections.Counter(p.names[n].split(":")[0]
+                                             for members in segments for n in members
+                                             if n not in p.aliases)
+        return matmuls
+
+    _run(chain, matmul_outputs)
+    made = _copies(chain.graph)
+    assert dict(made) == dict(seen["counts"])
+    # The first layer's residual add sits below the four later matmuls'
+    # segments and the ys' segment.
+    first_add = chain.hs[1].op.inputs[0].op.name
+    assert made[first_add] == 5
+
+
+def test_recompute_estimate_counts_every_copy():
+    chain = builders.residual_chain(n=5)
+    matmuls = [t.name for t in chain.hs]
+    out = {}
+
+    def matmul_outputs(graph):
+        p = simulate.prepare(graph)
+        cost = simulate.recompute_cost(graph, matmuls, p)
+        once = sum(d["cost"] for n, d in graph.nodes(data=True)
+                   if not d["x"] and n not in matmuls and not d["forced"]
+                   and not d["input_read"])
+        out["cost"], out["once"] = cost, once
+        return matmuls
+
+    _run(chain, matmul_outputs)
+    assert out["cost"] > 1.5 * out["once"]   # the residual stream, again and again
+
+
+def test_speed_recomputes_nothing_twice():
+    chain = builders.residual_chain(n=6)
+    _run(chain, "speed")
+    made = _copies(chain.graph)
+    assert made and max(made.values()) == 1, made
+
+
+def test_recompute_cap_holds_on_the_copies_made():
+    """Under max_recompute, the copies the rewrite makes and runs (those whose
+    outputs something reads) cost at most the cap, counting each copy."""
+    chain = builders.residual_chain(n=6, batch=64, width=64)
+    box = {}
+
+    def capped(graph):
+        plan = optimal_module.optimal(graph, max_recompute=0.2)
+        box.update(graph=graph, plan=plan, forward=optimal_module.forward_flops(graph))
+        return plan.checkpoints
+
+    _run(chain, capped)
+    graph, plan = box["graph"], box["plan"]
+    assert 0 < plan.recompute_fraction <= 0.2 + 1e-9, plan.summary()
+    cost = {n.split(":")[0]: d["cost"] for n, d in graph.nodes(data=True)}
+    ran = 0.0
+    for op in chain.graph.get_operations():
+        m = re.match(r"memsave_\d+/(.*)", op.name)
+        if m and m.group(1) in cost and any(o.consumers() for o in op.outputs):
+            ran += cost[m.group(1)]
+    assert ran <= 0.2 * box["forward"] * 1.001, (ran, box["forward"])
+
+
+def test_elementwise_cost_counts_bytes_moved():
+    """An elementwise op moves bytes: it costs more than one FLOP per element."""
+    with tf.Graph().as_default():
+        a = tf.zeros([1000])
+        b = tf.zeros([1000])
+        add = a + b
+        mm = tf.matmul(tf.zeros([100, 50]), tf.zeros([50, 20]))
+    assert op_cost(add.op) == 1000 + FLOPS_PER_BYTE * 3 * 4000
+    assert op_cost(mm.op) == 2 * 100 * 20 * 50 + FLOPS_PER_BYTE * 4 * (5000 + 1000 + 2000)
