@@ -88,13 +88,6 @@ def _kept(nodes, last_use, candidate, cuts):
     return [nodes[i] for i in np.nonzero(across & candidate)[0]]
 
 
-def recompute_flops(graph, kept, prepared=None):
-    """FLOPs the rewrite recomputes with ``kept`` checkpoints (see
-    :func:`memsave.planning.simulate.recompute_cost`: an op below kept
-    tensors of several segments counts once per segment)."""
-    return recompute_cost(graph, kept, prepared)
-
-
 def _selective(graph, prepared, cap):
     """Kept sets for a recompute cap: every candidate but the cheapest to
     recompute per byte, as many of those dropped as ``cap`` allows.
@@ -119,7 +112,7 @@ def _selective(graph, prepared, cap):
     lo, hi = 0, len(order)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if recompute_flops(graph, kept_after(mid), prepared) <= cap:
+        if recompute_cost(graph, kept_after(mid), prepared) <= cap:
             lo = mid
         else:
             hi = mid - 1
@@ -131,7 +124,7 @@ def forward_flops(graph):
 
 
 def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None):
-    """Candidate plans: (estimated peak, recompute FLOPs, kept) for a grid of limits.
+    """Candidate plans: (estimated peak, recompute cost, kept) for a grid of limits.
 
     One pass minimizes kept bytes. With ``prefer_speed`` a second pass counts
     expensive tensors whose copies need not run (matmul, conv outputs) at a
@@ -163,7 +156,7 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None
         peak = sum(node_bytes(graph, n) for n in kept) + _largest_segment(prefix, cuts)
         key = tuple(kept)
         if key not in found:
-            found[key] = (float(peak), recompute_flops(graph, kept, prepared), kept)
+            found[key] = (float(peak), recompute_cost(graph, kept, prepared), kept)
         return peak
 
     passes = [keep_bytes]
@@ -252,7 +245,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     for kept in kept_sets:
         everything = set(kept) | set(forced)
         # Nothing kept at all is plain backprop: nothing recomputed.
-        flops = recompute_flops(graph, kept, prepared) if everything else 0.0
+        flops = recompute_cost(graph, kept, prepared) if everything else 0.0
         if cap is not None and flops > cap:
             continue
         choices = [()]

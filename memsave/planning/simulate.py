@@ -160,8 +160,8 @@ def rewrite_segments(p, kept):
     return [_closure(p, p.ys, kept)] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
 
 
-def recompute_cost(graph, kept, prepared=None, segments=None):
-    """Cost (FLOPs, see ``TensorNode.cost``) that the rewrite recomputes keeping ``kept``.
+def recompute_cost(graph, kept, prepared=None):
+    """Work (``TensorNode.cost``) that the rewrite recomputes keeping ``kept``.
 
     Every unkept node a segment copies runs once per segment that copies it.
     A kept node's own copy runs only when its gradient reads its output
@@ -173,12 +173,12 @@ def recompute_cost(graph, kept, prepared=None, segments=None):
     idx = kept_indices(p, kept)
     nodes = graph.nodes
     total = 0.0
-    for members in segments if segments is not None else rewrite_segments(p, idx):
+    for members in rewrite_segments(p, idx):
         for n in members:
             data = nodes[p.names[n]]
-            if n in p.aliases or (n in idx and not data["grad_reads_output"]):
+            if n in p.aliases or n in p.forced:
                 continue
-            if n in p.forced:
+            if n in idx and not data["grad_reads_output"]:
                 continue
             total += data["cost"]
     return total
