@@ -9,6 +9,7 @@ copies of Pow must wait through a gated input instead (GPT2 and BERT steps
 ran 20-30% slower).
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -80,7 +81,6 @@ _STEP = textwrap.dedent("""
 
 def test_grappler_optimizes_a_rewritten_gelu_step():
     env = {"TF_CPP_MIN_LOG_LEVEL": "0", "CUDA_VISIBLE_DEVICES": ""}
-    import os  # pylint: disable=import-outside-toplevel
     out = subprocess.run([sys.executable, "-c", _STEP], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=300, check=False)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
