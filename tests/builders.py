@@ -16,10 +16,13 @@ MB = 2**20
 Chain = collections.namedtuple("Chain", "graph x ws hs loss")
 
 
-def tanh_chain(n=6, batch=4, width=8, scale=0.3, square=True, graph=None, seed=0):
+def tanh_chain(n=6, batch=4, width=8, scale=0.3, square=True, graph=None, seed=0,
+               residual=False):
     """x -> tanh(h @ w_i) n times -> sum(h * h) (or sum(h)), in a tf.Graph.
 
     The variables are named w0, w1, ... and the input x, so tests can name them.
+    With ``residual``, each layer is h + tanh(h @ w_i), a residual stream as
+    in transformers and ResNets, and ``hs`` are the matmul outputs.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     graph = graph or tf.Graph()
@@ -30,8 +33,9 @@ def tanh_chain(n=6, batch=4, width=8, scale=0.3, square=True, graph=None, seed=0
         x = tf.constant(rng.randn(batch, width).astype(np.float32), name="x")
         h, hs = x, []
         for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-            hs.append(h)
+            a = tf.matmul(h, w)
+            h = h + tf.tanh(a) if residual else tf.tanh(a)
+            hs.append(a if residual else h)
         loss = tf.reduce_sum(h * h) if square else tf.reduce_sum(h)
     return Chain(graph, x, ws, hs, loss)
 
@@ -57,21 +61,3 @@ def plan_chain(n, size=MB, op_types=("Tanh",), expensive=("MatMul",), saved=True
     g.add_edge(prev, "y")
     return g
 
-
-def residual_chain(n=5, batch=4, width=8, scale=0.3, graph=None, seed=0):
-    """x -> h + tanh(h @ w_i) n times -> sum(h * h): a residual stream, as in
-    transformers and ResNets, in a tf.Graph (``hs`` are the matmul outputs)."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    graph = graph or tf.Graph()
-    with graph.as_default():
-        rng = np.random.RandomState(seed)
-        ws = [tf.Variable(rng.randn(width, width).astype(np.float32) * scale, name="w%d" % i)
-              for i in range(n)]
-        x = tf.constant(rng.randn(batch, width).astype(np.float32), name="x")
-        h, hs = x, []
-        for w in ws:
-            a = tf.matmul(h, w)
-            hs.append(a)
-            h = h + tf.tanh(a)
-        loss = tf.reduce_sum(h * h)
-    return Chain(graph, x, ws, hs, loss)

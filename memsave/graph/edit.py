@@ -60,7 +60,7 @@ def copy_op(graph, op, inputs, name, control=()):
     """
     control = list(control)
     with graph.name_scope(None), graph.control_dependencies(None):
-        if control and op.type in WAIT_THROUGH_INPUT:
+        if control and op.type in _WAIT_THROUGH_INPUT:
             inputs = list(inputs)
             inputs[0] = _gated(graph, inputs[0], control, op.device, name + "/memsave_gate")
             control = []
@@ -102,7 +102,7 @@ def copy_op(graph, op, inputs, name, control=()):
 #   rejects the whole function's optimization ("Ignoring multi-device
 #   function optimization failure") and the step runs unoptimized (GELU's
 #   x**3 made GPT2 and BERT steps 20-30% slower, TF 2.21).
-WAIT_THROUGH_INPUT = frozenset({"While", "StatelessWhile", "Pow"})
+_WAIT_THROUGH_INPUT = frozenset({"While", "StatelessWhile", "Pow"})
 
 
 def _gated(graph, t, control, device, name):
