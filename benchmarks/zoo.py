@@ -14,7 +14,9 @@ is traced per configuration:
   step;
 * step-time ratio: the configuration's step against plain's, alternating
   pairs, median ratio; a second plain function gives the plain-vs-plain
-  row (the noise floor).
+  row (the noise floor);
+* gradients: whether memsave's rewrite ran, or memsave fell back to plain
+  gradients (its log says so when a plan is not estimated below plain's).
 
 Sizes are chosen so that activations outweigh weights (``SIZES``). Writes
 ``benchmarks/results/zoo.{json,md}`` and ``zoo.png`` (peak against time per
@@ -23,6 +25,7 @@ model: the Pareto front).
 
 import argparse
 import json
+import logging
 import os
 import pathlib
 import statistics
@@ -47,8 +50,10 @@ CONFIGS = (
     ("optimal, max_recompute=0.1", "optimal", {"max_recompute": 0.1}),
     ("optimal, max_recompute=0.3", "optimal", {"max_recompute": 0.3}),
 )
-# (batch, image side) per model: activations outweigh weights.
-SIZES = {"ResNet50": (8, 128), "DenseNet121": (8, 128), "MobileNetV2": (16, 128),
+# (batch, image side) per model: activations outweigh weights. ResNet50's
+# weight gradients (about 90 MiB, held to the end of every plan) were a
+# third of plain's peak at batch 8; at 32 they are under a tenth.
+SIZES = {"ResNet50": (32, 128), "DenseNet121": (8, 128), "MobileNetV2": (16, 128),
          "EfficientNetB0": (8, 128), "ConvNeXtTiny": (8, 128), "GPT2": (8, None),
          "BERT": (8, None)}
 QUICK_SIZES = {name: (max(2, b // 4), s and s // 2) for name, (b, s) in SIZES.items()}
@@ -111,9 +116,13 @@ def child(name, quick, pairs):
         fn()
         return time.perf_counter() - start
 
+    said = _Said()
+    logging.getLogger("memsave").addHandler(said)
+    logging.getLogger("memsave").setLevel(logging.INFO)
     rows, steps = [], {}
     for label, checkpoints, options in CONFIGS:
         step = step_for(checkpoints, options)
+        said.lines.clear()
         try:
             first = timed(step)
         except (memsave.NoBottleneckError, ValueError) as e:
@@ -122,6 +131,7 @@ def child(name, quick, pairs):
         once = timed(step)
         steps[label] = step
         rows.append(dict(model=name, config=label, batch=batch, size=size,
+                         fell_back=checkpoints is not None and said.fell_back(),
                          build_s=max(0.0, first - once), peak_mib=peak_memory(step) / MIB))
     plain = steps["plain"]
     for row in rows:
@@ -134,6 +144,23 @@ def child(name, quick, pairs):
             ratios.append(b / a)
         row["time_ratio"] = statistics.median(ratios)
     return rows
+
+
+class _Said(logging.Handler):
+    """memsave's log lines while a configuration is traced: did it fall back?"""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def fell_back(self):
+        """True when memsave ran plain gradients (its plan was not estimated
+        below plain's, or it found nothing to keep)."""
+        return any("using plain tf.gradients" in l or "plain tf.GradientTape is used" in l
+                   for l in self.lines)
 
 
 def _run_child(name, quick, pairs):
@@ -166,7 +193,8 @@ def _summary(runs):
                         peak_min=peaks[0], peak_median=statistics.median(peaks),
                         peak_max=peaks[-1], processes=len(ok),
                         time_ratio=statistics.median(ratios) if ratios else 1.0,
-                        build_s=statistics.median(r["build_s"] for r in ok)))
+                        build_s=statistics.median(r["build_s"] for r in ok),
+                        fell_back=any(r.get("fell_back") for r in ok)))
     return out
 
 
@@ -175,18 +203,23 @@ def markdown(summary, machine):
              "%s. Peak: MiB above the pre-step baseline, min / median / max over processes; "
              "'vs plain': median against plain's median; time: median of alternating pairs "
              "against plain (the 'plain again' row is the noise floor); build: trace, plan "
-             "and rewrite, seconds." % machine, "",
-             "| model | config | peak MiB | vs plain | step time vs plain | build s |",
-             "|---|---|---|---:|---:|---:|"]
+             "and rewrite, seconds; gradients: 'rewritten' (memsave's plan ran) or "
+             "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
+             "ran plain gradients)." % machine, "",
+             "| model | config | peak MiB | vs plain | step time vs plain | build s | gradients |",
+             "|---|---|---|---:|---:|---:|---|"]
     plain = {r["model"]: r["peak_median"] for r in summary if r["config"] == "plain"}
     for r in summary:
         if "error" in r:
-            lines.append("| %s | %s | raises: %s | | | |" % (r["model"], r["config"], r["error"]))
+            lines.append("| %s | %s | raises: %s | | | | |" % (r["model"], r["config"],
+                                                              r["error"]))
             continue
-        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f |" % (
+        ran = ("plain" if r["config"].startswith("plain") else
+               "plain (fallback)" if r.get("fell_back") else "rewritten")
+        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f | %s |" % (
             r["model"], r["batch"], ", %dpx" % r["size"] if r["size"] else "", r["config"],
             r["peak_min"], r["peak_median"], r["peak_max"],
-            100.0 * r["peak_median"] / plain[r["model"]], r["time_ratio"], r["build_s"]))
+            100.0 * r["peak_median"] / plain[r["model"]], r["time_ratio"], r["build_s"], ran))
     return "\n".join(lines) + "\n"
 
 

@@ -52,5 +52,11 @@ def test_zoo_benchmark_quick(tmp_path):
             "optimal, max_recompute=0.1"} <= configs
     for row in data["summary"]:
         assert row.get("error") or row["peak_median"] > 0
+    rows = {r["config"]: r for r in data["summary"]}
+    # Which rows ran memsave's rewrite is read from memsave's own log: the
+    # default rewrites GPT2; no plan recomputes under 10% of a forward pass.
+    assert not rows["plain"]["fell_back"] and not rows["optimal (default)"]["fell_back"]
+    assert rows["optimal, max_recompute=0.1"]["fell_back"]
     assert (tmp_path / "zoo_quick.png").stat().st_size > 10_000
     assert "| GPT2" in stdout
+    assert "| rewritten |" in stdout and "| plain (fallback) |" in stdout
