@@ -94,6 +94,7 @@ def child(name, quick, pairs):
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import memsave  # pylint: disable=import-outside-toplevel
     from memsave.profile import peak_memory  # pylint: disable=import-outside-toplevel
+    from memsave.log import reset_warnings  # pylint: disable=import-outside-toplevel
 
     batch, size = (QUICK_SIZES if quick else SIZES)[name]
     model, x, y, loss_fn = _build(name, batch, size)
@@ -123,6 +124,7 @@ def child(name, quick, pairs):
     for label, checkpoints, options in CONFIGS:
         step = step_for(checkpoints, options)
         said.lines.clear()
+        reset_warnings()  # the tape's fallback warnings are once-only: say them per config
         try:
             first = timed(step)
         except (memsave.NoBottleneckError, ValueError) as e:
