@@ -238,7 +238,9 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         grads_out = plain_gradients(
             [copied(t) for t in boundary], targets, grad_ys=grads, name=name,
             stop_gradients=stops, **grad_kwargs)
-        reducers_first(region.graph.get_operations()[before:])
+        made_now = region.graph.get_operations()[before:]
+        _read_copies(made_now, copies)
+        reducers_first(made_now)
         if swapper is not None:
             swapper.used(swapped)
         sums = [d_cp.add(t, g) for t, g in zip(owners, grads_out)]
@@ -281,6 +283,28 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
             g = tf_internal.zeros_for_unconnected(x)
         results.append(g)
     return results
+
+
+def _read_copies(grad_ops, copies):
+    """Point ``grad_ops`` at the recomputed copies wherever they read an original.
+
+    A registered gradient reads its op's inputs and outputs, which for a copy
+    are copies. A gradient that closes over forward tensors instead
+    (``tf.custom_gradient``: ``tf.nn.silu``, hence every Keras swish) reads
+    the originals: they then stay alive from the forward pass to this
+    segment, and recomputing them saves nothing. A copy holds its original's
+    value (only ops whose values cannot change are copied) and depends on
+    nothing this segment's gradients compute, so the swap is safe.
+    """
+    moved = 0
+    for op in grad_ops:
+        for i, t in enumerate(op.inputs):
+            copy = copies.get(t.op)
+            if copy is not None:
+                op._update_input(i, copy.outputs[t.value_index])  # pylint: disable=protected-access
+                moved += 1
+    if moved:
+        logger.debug("memsave: %d gradient input(s) read a forward original; now its copy", moved)
 
 
 def _shields(region, checkpoints):

@@ -458,7 +458,34 @@ class VariableAssign(Family):
         return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
 
 
+@tf.custom_gradient
+def _softsign(x):
+    """x / (1 + |x|) whose gradient closes over a forward tensor (``d``)."""
+    d = 1.0 + tf.abs(x)
+
+    def grad(dy):
+        return dy / tf.square(d)
+    return x / d, grad
+
+
+class CustomGradient(Family):
+    """``tf.nn.silu`` and a user ``tf.custom_gradient``: both gradients are
+    Python closures over forward tensors, not functions of the op they
+    replace (see test_custom_gradient_reads_the_recomputed_copies)."""
+
+    copied = frozenset({"IdentityN", "Sigmoid", "Abs", "MatMul"})
+
+    def forward(self, vs):
+        h = _layer(_input(19, B, W), vs[0])
+        first = h
+        h = tf.nn.silu(tf.matmul(h, vs[1]))
+        h = _softsign(tf.matmul(h, vs[2]))
+        h = _layer(h, vs[3])
+        return dict(ys=[tf.reduce_sum(h * h)], xs=vs, checkpoints=[first])
+
+
 FAMILIES = {
+    "custom_gradient": CustomGradient,
     "fused_batch_norm": FusedBatchNorm,
     "layer_norm": LayerNorm,
     "dropout": Dropout,
@@ -789,3 +816,35 @@ def test_checkpoint_made_by_a_function_call(strategy):
     ours, plain = step()
     for a, b in zip(ours, plain):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_custom_gradient_reads_the_recomputed_copies(mode):
+    """A closure gradient must read the copies memsave recomputes: reading the
+    originals is correct but keeps them alive from the forward pass, so the
+    recomputation saved nothing (EfficientNet's swish measured 127 MiB
+    instead of 99)."""
+    def check(graph, out):
+        before = set(graph.get_operations())
+        memsave.gradients(out["ys"], out["xs"], checkpoints=out["checkpoints"],
+                          min_checkpoint_size=0)
+        made = [op for op in graph.get_operations() if op not in before]
+        copied = {op.name.split("/", 1)[1] for op in made if op.name.startswith("memsave_")}
+        # A checkpoint's own op is recomputed in its segment, and read as
+        # the original by the segment above it.
+        kept = {t.op for t in out["checkpoints"]}
+        originals = {op for op in before if op.name in copied and op not in kept}
+        assert any(op.type == "IdentityN" for op in originals)
+        stale = sorted("%s reads %s" % (op.name, t.name) for op in made
+                       if not op.name.startswith("memsave_")
+                       for t in op.inputs if t.op in originals)
+        assert not stale, stale
+
+    family = CustomGradient()
+    if mode == "session":
+        with tf.Graph().as_default() as graph:
+            check(graph, family.forward(family.variables()))
+    else:
+        vs = family.variables()
+        tf.function(lambda: check(tf.compat.v1.get_default_graph(), family.forward(vs)))\
+            .get_concrete_function()

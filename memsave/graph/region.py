@@ -185,6 +185,58 @@ def _flops(op, shape_of):
     return float(out)
 
 
+def _custom_gradient_args(op, region):
+    """The inputs a ``tf.custom_gradient`` op's gradient may read, or None.
+
+    In a graph, ``tf.custom_gradient`` ends in an ``IdentityN`` over the
+    results, then the function's arguments (and variables), whose gradient
+    is a Python closure: it reads what it captured, typically the arguments
+    (``tf.nn.silu`` keeps only its input). The results are the outputs the
+    forward pass reads (a gradient built earlier reads the others too).
+    """
+    if op.type != "IdentityN":
+        return None
+    try:
+        kind = op.get_attr("_gradient_op_type")
+    except ValueError:
+        return None
+    if not kind.startswith(b"CustomGradient"):
+        return None
+    ys = {y.ref() for y in region.ys}
+    used = [out.ref() in ys or any(c in region.ops for c in out.consumers())
+            for out in op.outputs]
+    results = len(used) - used[::-1].index(True) if any(used) else 0
+    return op.inputs[results:]
+
+
+def backprop_reads(region):
+    """``{op: (inputs read, outputs read)}`` by the gradient plain backprop runs.
+
+    An op inside a ``tf.custom_gradient`` function is never differentiated:
+    the closure replaces its gradient, so what it would read is not kept
+    (only what the closure reads, see :func:`_custom_gradient_args`).
+    Inside means behind a result, made after the function's arguments.
+    """
+    reads = {op: grad_reads(op) for op in region.order}
+    for op in region.order:
+        args = _custom_gradient_args(op, region)
+        if args is None:
+            continue
+        reads[op] = (args, ())
+        first = max((tf_internal.op_id(a.op) for a in args), default=-1)
+        stack = [t.op for t in op.inputs[:len(op.inputs) - len(args)]]
+        seen = set()
+        while stack:
+            inner = stack.pop()
+            if (inner in seen or inner not in reads or inner is op
+                    or tf_internal.op_id(inner) <= first):
+                continue
+            seen.add(inner)
+            reads[inner] = ((), ())
+            stack.extend(t.op for t in inner.inputs)
+    return reads
+
+
 def to_plan_graph(region, batch_size=None, shapes=None):
     """Export the region as a :class:`~memsave.planning.dag.PlanGraph` over tensor names.
 
@@ -202,8 +254,9 @@ def to_plan_graph(region, batch_size=None, shapes=None):
 
     g = PlanGraph()
     saved, reads_output = set(), set()
+    reads = backprop_reads(region)
     for op in region.order:
-        ins, outs = grad_reads(op)
+        ins, outs = reads[op]
         saved.update(t.name for t in ins if differentiable(t))
         saved.update(t.name for t in outs if differentiable(t))
         reads_output.update(t.name for t in outs)
@@ -237,7 +290,7 @@ def to_plan_graph(region, batch_size=None, shapes=None):
                          cost=float(cost), op_type=op.type, y=t.name in y_names,
                          forced=t.name in forced, saved=t.name in saved,
                          grad_reads_output=t.name in reads_output,
-                         grad_reads_inputs=bool(grad_reads(op)[0]),
+                         grad_reads_inputs=bool(reads[op][0]),
                          candidate=(differentiable(t) and t.name not in y_names
                                     and t.name not in forced and op not in region.pinned
                                     and not alias),
