@@ -49,6 +49,7 @@ CONFIGS = (
     ("optimal, budget=0.5", "optimal", {"budget": 0.5}),
     ("optimal, max_recompute=0.1", "optimal", {"max_recompute": 0.1}),
     ("optimal, max_recompute=0.3", "optimal", {"max_recompute": 0.3}),
+    ("optimal, max_recompute=0.5", "optimal", {"max_recompute": 0.5}),
 )
 # (batch, image side) per model: activations outweigh weights. ResNet50's
 # weight gradients (about 90 MiB, held to the end of every plan) were a
