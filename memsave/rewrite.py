@@ -301,7 +301,7 @@ def _read_copies(grad_ops, copies):
         for i, t in enumerate(op.inputs):
             copy = copies.get(t.op)
             if copy is not None:
-                op._update_input(i, copy.outputs[t.value_index])  # pylint: disable=protected-access
+                tf_internal.update_input(op, i, copy.outputs[t.value_index])
                 moved += 1
     if moved:
         logger.debug("memsave: %d gradient input(s) read a forward original; now its copy", moved)

@@ -228,6 +228,7 @@ _need("tf.Operation._add_control_input", _has(tf.Operation, "_add_control_input"
 _need("tf.Operation._control_outputs", _has(tf.Operation, "_control_outputs"))
 _need("tf.Operation._set_device", _has(tf.Operation, "_set_device"))
 _need("tf.Operation._input_types", _has(tf.Operation, "_input_types"))
+_need("tf.Operation._update_input", _has(tf.Operation, "_update_input"))
 _need("tf.Operation()._gradient_function", _has(lambda: _probe("op"), "_gradient_function"))
 _need("tf.Graph._create_op_internal", _has(tf.Graph, "_create_op_internal"))
 _need("tf.Graph._mutation_lock", _has(tf.Graph, "_mutation_lock"))
@@ -275,6 +276,12 @@ def set_device(op, device):
 def input_types(op):
     """The dtypes ``op`` declares for its inputs (ref types included)."""
     return op._input_types  # pylint: disable=protected-access
+
+
+def update_input(op, index, tensor):
+    """Make the new ``op`` read ``tensor`` as input ``index`` (no public way to
+    rewire an op; memsave only rewires ops it just made)."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
 def copy_gradient_function(source, target):

@@ -28,7 +28,7 @@ PRIVATE_TF_ATTRIBUTES = frozenset({
     "_input_types", "_gradient_function", "_create_op_internal", "_mutation_lock",
     "_get_function", "_functions", "_add_function_recursive", "_add_control_dependencies",
     "_ref", "_closed", "_tape", "_recording", "_persistent", "_watched_variables",
-    "_pop_tape", "_GradientsHelper", "_ZerosLike",
+    "_pop_tape", "_GradientsHelper", "_ZerosLike", "_update_input",
 })
 
 
