@@ -113,3 +113,47 @@ def test_elementwise_cost_counts_bytes_moved():
         mm = tf.matmul(tf.zeros([100, 50]), tf.zeros([50, 20]))
     assert op_cost(add.op) == 1000 + FLOPS_PER_BYTE * 3 * 4000
     assert op_cost(mm.op) == 2 * 100 * 20 * 50 + FLOPS_PER_BYTE * 4 * (5000 + 1000 + 2000)
+
+
+def _saved(ys, xs):
+    from memsave.graph.region import analyze, to_plan_graph  # pylint: disable=C0415
+    graph = to_plan_graph(analyze(ys, [w.handle for w in xs]))
+    return {n.rsplit(":", 1)[0] for n, d in graph.nodes(data=True) if d["saved"]}
+
+
+def test_gradients_no_input_needs_read_nothing():
+    """What only the gradient of a constant or of data would read is not kept:
+    the step prunes that gradient (``0.5 * h`` keeps nothing, ``h ** 3``
+    not its output, ``data @ w`` only ``data``, which is no region tensor)."""
+    with tf.Graph().as_default():
+        data = tf.constant(np.ones((4, 8), np.float32), name="data")
+        w = tf.Variable(np.ones((8, 8), np.float32))
+        first = tf.matmul(data, w, name="first")         # dW reads data; no d(data)
+        half = tf.multiply(0.5, first, name="half")      # d(first) reads the constant only
+        cube = tf.pow(half, 3.0, name="cube")            # d(half) reads half and 3, not cube
+        act = tf.tanh(cube, name="act")                  # reads its output
+        loss = tf.reduce_sum(act * half)                 # both factors need gradients
+        saved = _saved([loss], [w])
+    assert {n for n in saved if not n.startswith("Variable")} == {"half", "act"}, saved
+
+
+def test_gelu_keeps_no_power_nor_constant_products():
+    """tf.nn.gelu(approximate=True) (Keras' and BERT's GELU): x ** 3 and the
+    products with constants keep nothing (see tests/test_memory.py for the
+    measured peak)."""
+    rng = np.random.RandomState(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        ws = [tf.Variable((rng.randn(64, 64) / 8).astype(np.float32)) for _ in range(4)]
+        h = tf.constant(rng.randn(256, 64).astype(np.float32))
+        for w in ws:
+            h = tf.nn.gelu(tf.matmul(h, w), approximate=True)
+        loss = tf.reduce_sum(h)
+        saved = _saved([loss], ws)
+    kinds = collections.Counter(graph.get_operation_by_name(n).type for n in saved
+                                if not n.endswith("ReadVariableOp"))
+    # Per layer: the matmul's input (read by dW), tanh's output, and the two
+    # factors of the products of non-constants (x * (1 + tanh), the inner
+    # polynomial's x), not Pow's output nor x scaled by a constant.
+    assert kinds["Pow"] == 0, kinds
+    assert kinds["Tanh"] == 4, kinds

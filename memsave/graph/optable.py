@@ -49,8 +49,42 @@ INPUT_READS = frozenset({"ReadVariableOp"})
 METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
-def grad_reads(op):
-    """(inputs read, outputs read) by ``op``'s gradient."""
+# Ops whose gradient with respect to one input reads only the other inputs
+# (d(a*b)/da = g*b; a convolution's input gradient reads the filter).
+GRAD_READS_OTHER_INPUTS = MATMULS | frozenset({
+    "Mul", "Einsum", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
+})
+
+
+def _reads_per_input(op):
+    """{input index: (input indices, output indices) its gradient reads}, or None."""
+    n = len(op.inputs)
+    if op.type in GRAD_READS_OTHER_INPUTS:
+        return {i: ([j for j in range(n) if j != i], []) for i in range(n)}
+    if op.type in ("Div", "RealDiv", "DivNoNan") and n == 2:
+        return {0: ([1], []), 1: ([0, 1], [])}     # g / y; -g * x / y**2
+    if op.type == "Pow" and n == 2:
+        return {0: ([0, 1], []), 1: ([0], [0])}    # g * y * x**(y-1); g * z * log(x)
+    return None
+
+
+def grad_reads(op, needs_gradient=None):
+    """(inputs read, outputs read) by ``op``'s gradient.
+
+    With ``needs_gradient(tensor)``, only what the gradients of the inputs
+    that need one read: the gradient of a constant factor or of data (no x
+    behind it) is never used, so the step prunes it, and what only it reads
+    is not kept (``0.5 * x`` keeps nothing; ``x ** 3`` does not keep its
+    output).
+    """
+    per_input = _reads_per_input(op) if needs_gradient is not None else None
+    if per_input is not None:
+        ins, outs = set(), set()
+        for i, t in enumerate(op.inputs):
+            if needs_gradient(t):
+                ins.update(per_input[i][0])
+                outs.update(per_input[i][1])
+        return ([op.inputs[i] for i in sorted(ins)], [op.outputs[k] for k in sorted(outs)])
     if op.type in GRAD_READS_NOTHING:
         return (), ()
     if op.type in GRAD_READS_OUTPUTS:

@@ -212,12 +212,20 @@ def _custom_gradient_args(op, region):
 def backprop_reads(region):
     """``{op: (inputs read, outputs read)}`` by the gradient plain backprop runs.
 
+    An input that no gradient reaches (a constant, data) gets none, so what
+    only its gradient would read is not kept (see :func:`grad_reads`).
     An op inside a ``tf.custom_gradient`` function is never differentiated:
     the closure replaces its gradient, so what it would read is not kept
     (only what the closure reads, see :func:`_custom_gradient_args`).
     Inside means behind a result, made after the function's arguments.
     """
-    reads = {op: grad_reads(op) for op in region.order}
+    xs = {x.ref() for x in region.xs}
+
+    def needs_gradient(t):
+        # Backprop reaches only the region's tensors and the xs.
+        return differentiable(t) and (t.op in region.ops or t.ref() in xs)
+
+    reads = {op: grad_reads(op, needs_gradient) for op in region.order}
     for op in region.order:
         args = _custom_gradient_args(op, region)
         if args is None:
