@@ -188,3 +188,34 @@ def test_max_recompute_caps_the_recomputed_work():
             ours, theirs = sess.run([grads, plain])
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
+    """A budget asks for the least recomputation whose estimate fits: never
+    more than a recompute cap's plan (keep the matmuls, recompute the GELUs)
+    that fits the same budget. The budget used to pick among the
+    lowest-peak cuts only (0.89 of a forward pass where 0.65 fits 0.5)."""
+    rng = np.random.RandomState(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        ws = [tf.Variable((rng.randn(64, 64) / 8).astype(np.float32)) for _ in range(12)]
+        h = tf.constant(rng.randn(256, 64).astype(np.float32))
+        for w in ws:
+            h = h + tf.nn.gelu(tf.matmul(h, w), approximate=True)
+        loss = tf.reduce_sum(h)
+        capped = [memsave.plan(loss, ws, checkpoints="optimal", max_recompute=c)
+                  for c in np.arange(0.1, 1.01, 0.1)]
+        for budget in (0.5, 0.6):
+            plan = memsave.plan(loss, ws, checkpoints="optimal", budget=budget)
+            assert plan.estimated_peak_bytes <= budget * plan.plain_peak_bytes
+            fitting = [p.recompute_fraction for p in capped
+                       if p.estimated_peak_bytes <= budget * p.plain_peak_bytes]
+            assert fitting, "no capped plan fits %s: the comparison says nothing" % budget
+            assert plan.recompute_fraction <= min(fitting) + 1e-9, (budget, plan.summary())
+        grads = memsave.gradients(loss, ws, checkpoints="optimal", budget=0.5)
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            ours, theirs = sess.run([grads, plain])
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())

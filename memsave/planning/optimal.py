@@ -88,16 +88,17 @@ def _kept(nodes, last_use, candidate, cuts):
     return [nodes[i] for i in np.nonzero(across & candidate)[0]]
 
 
-def _selective(graph, prepared, cap):
-    """Kept sets for a recompute cap: every candidate but the cheapest to
-    recompute per byte, as many of those dropped as ``cap`` allows.
+def _selective(graph, prepared, cap=None, limit=None, forced=()):
+    """Kept sets that keep every candidate but the cheapest to recompute per
+    byte: as many of those dropped as ``cap`` allows, or as few as make the
+    estimated peak fit ``limit`` (a budget: the least recomputation that fits).
 
     Elementwise outputs (layer norm, GELU, softmax: a few FLOP-equivalents
     per byte) go first, then matmuls over short inner dimensions (attention
     scores), as Megatron-LM's selective recomputation does; what several
     segments would each recompute is kept again (:func:`recompute_once`).
-    The count dropped is binary-searched on the recompute estimate, and a
-    few smaller counts compete on the peak estimate.
+    The count dropped is binary-searched (under a cap, a few smaller counts
+    compete on the peak estimate).
     """
     nodes = graph.nodes
     order = sorted((n for n, d in nodes(data=True) if d["candidate"]),
@@ -109,14 +110,37 @@ def _selective(graph, prepared, cap):
             made[count] = recompute_once(graph, order[count:], prepared)
         return made[count]
 
-    lo, hi = 0, len(order)
+    if cap is not None:
+        lo, hi = 0, len(order)
+        while lo < hi:   # the most dropped whose recomputation is under the cap
+            mid = (lo + hi + 1) // 2
+            if recompute_cost(graph, kept_after(mid), prepared) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        return [kept_after(c) for c in sorted({lo, lo * 7 // 8, lo * 3 // 4, lo // 2}) if c]
+
+    def fits(count):
+        # Dropping every candidate keeps only what recompute_once adds back,
+        # possibly nothing: plain backprop, which is no budget plan.
+        kept = set(kept_after(count)) | set(forced)
+        return bool(kept) and simulate_peak(graph, kept, prepared) <= limit
+
+    # The peak falls as more is dropped, then rises again towards plain
+    # backprop (nothing kept): find the first fitting count on a grid, then
+    # the fewest dropped between it and the grid point before.
+    grid = sorted({int(round(c)) for c in np.linspace(0, len(order), 17)})
+    first = next((i for i, c in enumerate(grid) if fits(c)), None)
+    if first is None:
+        return []
+    lo, hi = (grid[first - 1] + 1 if first else 0), grid[first]
     while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if recompute_cost(graph, kept_after(mid), prepared) <= cap:
-            lo = mid
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
         else:
-            hi = mid - 1
-    return [kept_after(c) for c in sorted({lo, lo * 7 // 8, lo * 3 // 4, lo // 2}) if c]
+            lo = mid + 1
+    return [kept_after(hi)]
 
 
 def forward_flops(graph):
@@ -235,11 +259,15 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
         kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
     except ValueError:
         pass
-    if cap is not None:
+    if cap is not None or limit is not None:
         # Keeping every matmul/conv output and recomputing only the cheap ops
-        # between them (selective recomputation) is what a tight cap allows.
+        # between them (selective recomputation) is what a tight cap allows,
+        # and often the least recomputation that fits a budget.
         kept_sets.append(recompute_once(graph, speed_candidates(graph), prepared))
-        kept_sets += _selective(graph, prepared, cap)
+    if cap is not None:
+        kept_sets += _selective(graph, prepared, cap=cap)
+    if limit is not None:
+        kept_sets += _selective(graph, prepared, limit=limit, forced=forced)
 
     options = []
     for kept in kept_sets:
