@@ -17,14 +17,16 @@ Chain = collections.namedtuple("Chain", "graph x ws hs loss")
 
 
 def tanh_chain(n=6, batch=4, width=8, scale=0.3, square=True, graph=None, seed=0,
-               residual=False):
+               residual=False, activation=None):
     """x -> tanh(h @ w_i) n times -> sum(h * h) (or sum(h)), in a tf.Graph.
 
     The variables are named w0, w1, ... and the input x, so tests can name them.
     With ``residual``, each layer is h + tanh(h @ w_i), a residual stream as
     in transformers and ResNets, and ``hs`` are the matmul outputs.
+    ``activation`` replaces tanh (``gelu``, below).
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    activation = activation or tf.tanh
     graph = graph or tf.Graph()
     with graph.as_default():
         rng = np.random.RandomState(seed)
@@ -34,10 +36,16 @@ def tanh_chain(n=6, batch=4, width=8, scale=0.3, square=True, graph=None, seed=0
         h, hs = x, []
         for w in ws:
             a = tf.matmul(h, w)
-            h = h + tf.tanh(a) if residual else tf.tanh(a)
+            h = h + activation(a) if residual else activation(a)
             hs.append(a if residual else h)
         loss = tf.reduce_sum(h * h) if square else tf.reduce_sum(h)
     return Chain(graph, x, ws, hs, loss)
+
+
+def gelu(h):
+    """tf.nn.gelu's tanh approximation, Keras' (and BERT's, GPT-2's) GELU."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    return tf.nn.gelu(h, approximate=True)
 
 
 def plan_chain(n, size=MB, op_types=("Tanh",), expensive=("MatMul",), saved=True):

@@ -70,6 +70,17 @@ def run_function(model, strategy, **kwargs):
     return holder["pattern"], values
 
 
+def assert_same_as_plain(graph, loss, ws, grads):
+    """``grads`` (memsave's, already built in ``graph``) equal plain tf.gradients."""
+    with graph.as_default():
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            ours, theirs = sess.run([grads, plain])
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
 def assert_same(pattern, values, atol=1e-6):
     assert pattern[0] == pattern[1], "None pattern differs: plain %s, memsave %s" % pattern
     assert values, "nothing was compared"

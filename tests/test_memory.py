@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import memsave
 from memsave.profile import peak_memory, session_step
+from tests.builders import gelu
 
 BATCH, WIDTH = 4096, 64
 ACTIVATION = BATCH * WIDTH * 4
@@ -194,7 +195,7 @@ def test_gelu_chain_plain_estimate():
     against 120; now 122)."""
     graph = tf.Graph()
     with graph.as_default():
-        loss, ws = _chain(24, activation=lambda h: tf.nn.gelu(h, approximate=True))
+        loss, ws = _chain(24, activation=gelu)
         plain = tf.gradients(loss, ws)
         estimate = memsave.profile.estimate_peak(loss, ws, checkpoints=None)
         with tf.compat.v1.Session(graph=graph) as sess:

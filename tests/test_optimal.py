@@ -8,6 +8,8 @@ import memsave
 from memsave.planning.optimal import BudgetError
 from memsave.profile import estimate_peak, peak_memory, session_step
 from tests import models
+from tests.builders import gelu, tanh_chain
+from tests.helpers import assert_same_as_plain
 from tests.test_memory import ACTIVATION, _chain, _resnet
 
 
@@ -178,16 +180,11 @@ def test_max_recompute_caps_the_recomputed_work():
         assert caps[0].kept == [] and caps[0].estimated_peak_bytes == caps[0].plain_peak_bytes
         assert caps[2].estimated_peak_bytes <= caps[1].estimated_peak_bytes
         grads = memsave.gradients(loss, ws, checkpoints="optimal", max_recompute=0.3)
-        plain = tf.gradients(loss, ws)
         with pytest.raises(ValueError, match="max_recompute must be"):
             memsave.plan(loss, ws, checkpoints="optimal", max_recompute=-1)
         with pytest.raises(ValueError, match="needs checkpoints='optimal'"):
             memsave.plan(loss, ws, checkpoints="memory", max_recompute=0.1)
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            ours, theirs = sess.run([grads, plain])
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    assert_same_as_plain(graph, loss, ws, grads)
 
 
 def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
@@ -195,14 +192,10 @@ def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
     more than a recompute cap's plan (keep the matmuls, recompute the GELUs)
     that fits the same budget. The budget used to pick among the
     lowest-peak cuts only (0.89 of a forward pass where 0.65 fits 0.5)."""
-    rng = np.random.RandomState(0)
-    graph = tf.Graph()
+    chain = tanh_chain(12, batch=256, width=64, scale=1 / 8, square=False, residual=True,
+                       activation=gelu)
+    graph, loss, ws = chain.graph, chain.loss, chain.ws
     with graph.as_default():
-        ws = [tf.Variable((rng.randn(64, 64) / 8).astype(np.float32)) for _ in range(12)]
-        h = tf.constant(rng.randn(256, 64).astype(np.float32))
-        for w in ws:
-            h = h + tf.nn.gelu(tf.matmul(h, w), approximate=True)
-        loss = tf.reduce_sum(h)
         capped = [memsave.plan(loss, ws, checkpoints="optimal", max_recompute=c)
                   for c in np.arange(0.1, 1.01, 0.1)]
         for budget in (0.5, 0.6):
@@ -213,9 +206,4 @@ def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
             assert fitting, "no capped plan fits %s: the comparison says nothing" % budget
             assert plan.recompute_fraction <= min(fitting) + 1e-9, (budget, plan.summary())
         grads = memsave.gradients(loss, ws, checkpoints="optimal", budget=0.5)
-        plain = tf.gradients(loss, ws)
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            ours, theirs = sess.run([grads, plain])
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    assert_same_as_plain(graph, loss, ws, grads)

@@ -141,15 +141,11 @@ def test_gelu_keeps_no_power_nor_constant_products():
     """tf.nn.gelu(approximate=True) (Keras' and BERT's GELU): x ** 3 and the
     products with constants keep nothing (see tests/test_memory.py for the
     measured peak)."""
-    rng = np.random.RandomState(0)
-    graph = tf.Graph()
+    chain = builders.tanh_chain(4, batch=256, width=64, scale=1 / 8, square=False,
+                                activation=builders.gelu)
+    graph = chain.graph
     with graph.as_default():
-        ws = [tf.Variable((rng.randn(64, 64) / 8).astype(np.float32)) for _ in range(4)]
-        h = tf.constant(rng.randn(256, 64).astype(np.float32))
-        for w in ws:
-            h = tf.nn.gelu(tf.matmul(h, w), approximate=True)
-        loss = tf.reduce_sum(h)
-        saved = _saved([loss], ws)
+        saved = _saved([chain.loss], chain.ws)
     kinds = collections.Counter(graph.get_operation_by_name(n).type for n in saved
                                 if not n.endswith("ReadVariableOp"))
     # Per layer tanh's output is kept, x ** 3 is not (nor is x scaled by a

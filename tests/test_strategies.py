@@ -17,6 +17,7 @@ from memsave import planning
 from memsave.errors import PlanGraphError, StrategyError
 from memsave.planning import PlanGraph, rules, simulate_peak
 from tests.builders import tanh_chain
+from tests.helpers import assert_same_as_plain
 
 ROOT = pathlib.Path(memsave.__file__).resolve().parent
 MB = 2**20
@@ -150,16 +151,6 @@ def _tf_chain(graph):
     return chain.loss, chain.ws, chain.hs
 
 
-def _same_as_plain(graph, loss, ws, grads):
-    with graph.as_default():
-        plain = tf.gradients(loss, ws)
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            ours, theirs = sess.run([grads, plain])
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
-
-
 def every_third_tanh(graph):
     """A user's strategy: keep every third Tanh output."""
     tanhs = planning.dag.topological(graph, [n for n, d in graph.nodes(data=True)
@@ -176,7 +167,7 @@ def test_a_plain_function_is_a_strategy():
         assert plan.checkpoints == [acts[i].name for i in (0, 3, 6)]
         assert 0 < plan.estimated_peak_bytes < plan.plain_peak_bytes
         grads = memsave.gradients(loss, ws, checkpoints=every_third_tanh)
-    _same_as_plain(graph, loss, ws, grads)
+    assert_same_as_plain(graph, loss, ws, grads)
 
 
 def test_registered_names_and_policies():
@@ -215,7 +206,7 @@ def test_registered_names_and_policies():
     finally:
         planning.unregister_strategy("every_third_tanh")
     for g in grads:
-        _same_as_plain(graph, loss, ws, g)
+        assert_same_as_plain(graph, loss, ws, g)
     with graph.as_default(), pytest.raises(ValueError, match="unknown checkpoints strategy"):
         memsave.plan(loss, ws, checkpoints="every_third_tanh")
 
