@@ -24,6 +24,7 @@ import toposort
 
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, optable
+from memsave.graph.edit import fence
 from memsave.graph.schedule import reducers_first
 
 logger = logging.getLogger("memsave")
@@ -62,13 +63,23 @@ class _Accumulator:
 
     def __init__(self):
         self._sums = {}
+        self._changed = {}
 
     def add(self, t, grad):
-        """Add a partial gradient; return the new running sum (None if none)."""
+        """Add a partial gradient to ``t``'s running sum."""
         if grad is None:
-            return None
-        self._sums[t.ref()] = total = aggregate([self._sums.get(t.ref()), grad])
-        return total
+            return
+        self._sums[t.ref()] = aggregate([self._sums.get(t.ref()), grad])
+        self._changed[t.ref()] = True
+
+    def fence_changed(self):
+        """Fence the sums changed since the last call (see :func:`fence`); return them."""
+        out = []
+        for ref in self._changed:
+            self._sums[ref] = fenced = fence(self._sums[ref])
+            out.append(fenced)
+        self._changed = {}
+        return out
 
     def total(self, t):
         return self._sums.get(t.ref())
@@ -204,52 +215,36 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         read_as = {**shields, **swapped}
         copies = copy_ops(ops, replace=read_as, wait_for=wait_for, scope="memsave_%d" % segment)
         segment += 1
-
-        def copied(t):
-            c = copies.get(t.op)
-            return t if c is None else c.outputs[t.value_index]
-
-        readers = set(ops) | {t.op for t in boundary if t.op not in copies}
-        asked_cp = {t.ref(): t for op in readers for t in op.inputs if t.ref() in stop}
-        via_reads = {aliases[t.ref()].ref() for op in readers for t in op.inputs
-                     if t.ref() in aliases}
+        reads = _segment_reads(copies, boundary, stop, read_as)
+        owners = [owner for owner, _ in reads.checkpoints]
+        read_cp = [t for _, t in reads.checkpoints]
+        via_reads = {aliases[ref].ref() for ref in reads.refs if ref in aliases}
         asked_x = [x for x in leaf_xs
-                   if any(c in readers for c in x.consumers()) or x.ref() in via_reads
+                   if x.ref() in reads.refs or x.ref() in via_reads
                    or any(x is b for b in boundary)]
-        # Copies read (and so differentiate) offloaded checkpoints as their
-        # swap-ins and call outputs as their shields; an op that is not copied
-        # (a pinned boundary op) reads the original.
-        owners, read_cp = [], []
-        made = set(copies.values())
-        for ref, t in asked_cp.items():
-            sub = read_as.get(ref)
-            if sub is not None and any(c in made for c in sub.consumers()):
-                owners.append(t)
-                read_cp.append(sub)
-            if sub is None or any(t is i for op in readers if op not in copies
-                                  for i in op.inputs):
-                owners.append(t)
-                read_cp.append(t)
         targets = read_cp + asked_x
         if not targets:
             return []
-        stops = read_cp + [copied(t) for t in user_stops]
+        stops = read_cp + [copies.output(t) for t in user_stops]
         before = len(region.graph.get_operations())
         grads_out = plain_gradients(
-            [copied(t) for t in boundary], targets, grad_ys=grads, name=name,
+            [copies.output(t) for t in boundary], targets, grad_ys=grads, name=name,
             stop_gradients=stops, **grad_kwargs)
         made_now = region.graph.get_operations()[before:]
-        _read_copies(made_now, copies)
+        _read_copies(made_now, copies.of)
         reducers_first(made_now)
         if swapper is not None:
             swapper.used(swapped)
-        sums = [d_cp.add(t, g) for t, g in zip(owners, grads_out)]
-        sums += [d_xs.add(t, g) for t, g in zip(asked_x, grads_out[len(owners):])]
-        logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint(s) and %d x(s)",
-                     segment - 1, len(copies), len(asked_cp), len(asked_x))
+        for t, g in zip(owners, grads_out):
+            d_cp.add(t, g)
+        for t, g in zip(asked_x, grads_out[len(owners):]):
+            d_xs.add(t, g)
+        logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint read(s) and "
+                     "%d x(s)", segment - 1, len(copies.of), len(read_cp), len(asked_x))
         # The next segment waits for the running sums, not just the partials,
         # so each partial is folded in (and freed) before more is recomputed.
-        return [g for g in sums if g is not None]
+        # They cross over fenced (see memsave.graph.edit.fence).
+        return d_cp.fence_changed() + d_xs.fence_changed()
 
     wait = [y.op for y in ys] + [_op(g) for g in (grad_ys or []) if g is not None]
     # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
@@ -283,6 +278,42 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
             g = tf_internal.zeros_for_unconnected(x)
         results.append(g)
     return results
+
+
+@dataclasses.dataclass
+class _Reads:
+    """What one segment's gradient call reads from outside the segment."""
+
+    refs: set            # refs of every tensor read from outside
+    checkpoints: list    # (checkpoint, the tensor read for it: itself or a substitute)
+
+
+def _segment_reads(copies, boundary, stop, read_as):
+    """The tensors the ops of a segment read from outside it.
+
+    The segment is every op :func:`copy_ops` made (copies, and the gates
+    some read through) plus the boundary ops differentiated in place (kept
+    ops, never copied). Its gradient call must ask for each checkpoint it
+    reads, under whichever name it reads it: the original, or a substitute
+    from ``read_as`` (an offloaded tensor's swap-in, a call output's shield).
+    Derived from the built ops, so an op that reads through something
+    (a gate) cannot hide a read.
+    """
+    made = set(copies.made)
+    readers = list(copies.made) + [t.op for t in boundary if t.op not in copies.of]
+    owner_of = {sub.ref(): stop[ref] for ref, sub in read_as.items()}
+    refs, checkpoints = set(), []
+    for op in readers:
+        for t in op.inputs:
+            if t.op in made or t.ref() in refs:
+                continue
+            refs.add(t.ref())
+            owner = stop.get(t.ref())
+            if owner is None:
+                owner = owner_of.get(t.ref())
+            if owner is not None:
+                checkpoints.append((owner, t))
+    return _Reads(refs, checkpoints)
 
 
 def _read_copies(grad_ops, copies):

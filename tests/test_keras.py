@@ -196,7 +196,10 @@ def test_dropout_mask_same_in_forward_and_backward(rewrites):
             h = tf.tanh(d(h)) * m
         loss = tf.reduce_sum(head(h) ** 2)
     reference = tape.gradient(loss, weights)
-    assert _max_diff(reference, grads) <= 1e-5
+    # Relative to the largest entry: the reference is another graph, which
+    # oneDNN may fuse and round differently in float32.
+    largest = max(float(np.max(np.abs(g))) for g in reference)
+    assert _max_diff(reference, grads) <= 1e-6 * largest
 
 
 def test_keras_variables_as_tape_sources(rewrites):

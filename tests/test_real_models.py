@@ -41,6 +41,7 @@ keras = pytest.importorskip("keras")
 pytest.importorskip("keras_hub")
 
 from benchmarks.zoo_models import MODELS, STATEFUL_BATCH, build  # noqa: E402
+from tests.keras_helpers import GradientSum  # noqa: E402
 
 pytestmark = pytest.mark.real_models
 
@@ -129,33 +130,12 @@ def _fit_cases():
                                marks=[pytest.mark.slow] if slow else [])
 
 
-class _GradientSum(keras.optimizers.Optimizer):
-    """An optimizer that only adds up the gradients it is given.
-
-    The weights never move, so every step of the epoch is differentiated at
-    the same point and the sums compare exactly: with moving weights, these
-    tiny, ill-conditioned models (gradients up to 1e11) turn a last-bit
-    difference after one step into a visible one after the next.
-    """
-
-    def __init__(self):
-        super().__init__(learning_rate=0.0, name="gradient_sum")
-        self.sums = []
-
-    def build(self, variables):
-        super().build(variables)
-        self.sums = [self.add_variable_from_reference(v, "sum") for v in variables]
-
-    def update_step(self, gradient, variable, learning_rate):
-        self.assign_add(self.sums[self._get_variable_index(variable)], gradient)
-
-
 def _fit(name, strategy):
     """The gradients of one epoch of fit, summed per weight (memsave or plain)."""
     stateful = name == "LSTMStateful"
     samples = 2 * BATCH if stateful else SAMPLES   # a stateful RNN needs full batches
     model, x, y, loss_fn = build(name, samples)
-    model.compile(optimizer=_GradientSum(), loss=loss_fn, jit_compile=False)
+    model.compile(optimizer=GradientSum(), loss=loss_fn, jit_compile=False)
     if strategy != "plain":
         memsave.keras.enable(model, strategy)
     # A dataset's batch dimension is unknown: Keras traces the step once, for

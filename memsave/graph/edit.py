@@ -15,8 +15,23 @@ from memsave.graph.walk import topo_order
 
 logger = logging.getLogger("memsave")
 
+class Copies:
+    """What :func:`copy_ops` made: ``of`` maps each original op to its copy;
+    ``made`` lists every new op in creation order, the gates that some
+    copies read through included (see :data:`_WAIT_THROUGH_INPUT`)."""
+
+    def __init__(self):
+        self.of = {}
+        self.made = []
+
+    def output(self, t):
+        """The copy of tensor ``t``, or ``t`` itself when its op was not copied."""
+        c = self.of.get(t.op)
+        return t if c is None else c.outputs[t.value_index]
+
+
 def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
-    """Copy ``op_set`` into its graph and return ``{original_op: copy}``.
+    """Copy ``op_set`` into its graph and return a :class:`Copies`.
 
     Inputs are resolved in order: ``replace`` (a ``{tensor.ref(): tensor}``
     map) first, then copies of ops in ``op_set``, else the original tensor.
@@ -30,11 +45,12 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
     """
     replace = dict(replace or {})
     order = topo_order(op_set)
+    result = Copies()
     if not order:
-        return {}
+        return result
     graph = order[0].graph
     wait_for = [d.op if not isinstance(d, tf.Operation) else d for d in wait_for]
-    copies = {}
+    copies = result.of
 
     def source(t):
         hit = replace.get(t.ref())
@@ -47,16 +63,18 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
     for op in order:
         inputs = [source(t) for t in op.inputs]
         control = [copies.get(c, c) for c in op.control_inputs] + wait_for
-        copies[op] = copy_op(graph, op, inputs, "%s/%s" % (scope, op.name), control)
-    return copies
+        copies[op] = copy_op(graph, op, inputs, "%s/%s" % (scope, op.name), control,
+                             made=result.made)
+    return result
 
 
-def copy_op(graph, op, inputs, name, control=()):
+def copy_op(graph, op, inputs, name, control=(), made=None):
     """One copy of ``op`` in ``graph`` reading ``inputs`` and waiting for ``control``.
 
     Control inputs go straight onto the new op: a control_dependencies()
     block would also mark each dependency with an attribute, mutating ops a
-    Session may already have run.
+    Session may already have run. Every op created (a gate, then the copy)
+    is appended to ``made`` when given.
     """
     control = list(control)
     with graph.name_scope(None), graph.control_dependencies(None):
@@ -64,6 +82,8 @@ def copy_op(graph, op, inputs, name, control=()):
             inputs = list(inputs)
             inputs[0] = _gated(graph, inputs[0], control, op.device, name + "/memsave_gate")
             control = []
+            if made is not None:
+                made.append(inputs[0].op)
         attrs = dict(op.node_def.attr)
         bodies = {}
         if functions.has_bodies(op):
@@ -88,6 +108,8 @@ def copy_op(graph, op, inputs, name, control=()):
         tf_internal.copy_handle_data(old_t, new_t)
     if control:
         tf_internal.add_control_inputs(new, control)
+    if made is not None:
+        made.append(new)
     return new
 
 
@@ -107,15 +129,45 @@ _WAIT_THROUGH_INPUT = frozenset({"While", "StatelessWhile", "Pow"})
 
 def _gated(graph, t, control, device, name):
     """An Identity of ``t`` that runs only after the ops in ``control``."""
-    gate = tf_internal.create_op(
-        graph, "Identity", [t], dtypes=[t.dtype], name=name,
-        attrs={"T": tf.compat.v1.AttrValue(type=t.dtype.as_datatype_enum)},
-        compute_device=False)
-    tf_internal.set_device(gate, device)
-    gate.outputs[0].set_shape(t.shape)
-    tf_internal.copy_handle_data(t, gate.outputs[0])
-    tf_internal.add_control_inputs(gate, control)
-    return gate.outputs[0]
+    out = _identity(graph, t, device, name, {})
+    tf_internal.add_control_inputs(out.op, control)
+    return out
+
+
+def _identity(graph, t, device, name, extra_attrs):
+    with graph.name_scope(None), graph.control_dependencies(None):
+        op = tf_internal.create_op(
+            graph, "Identity", [t], dtypes=[t.dtype], name=name,
+            attrs={"T": tf.compat.v1.AttrValue(type=t.dtype.as_datatype_enum), **extra_attrs},
+            compute_device=False)
+    tf_internal.set_device(op, device)
+    op.outputs[0].set_shape(t.shape)
+    tf_internal.copy_handle_data(t, op.outputs[0])
+    return op.outputs[0]
+
+
+# Grappler keeps nodes carrying this attribute (GrapplerItem::NodesToPreserve):
+# it neither removes nor bypasses them, so no fusion can see through them.
+_PRESERVE = {"_grappler_do_not_remove": tf.compat.v1.AttrValue(b=True)}
+
+
+def fence(grad):
+    """``grad`` (a tensor or IndexedSlices) read through an Identity Grappler keeps.
+
+    A checkpointed backward pass hands each segment's gradients to the next
+    one, whose recomputation waits for them. If an op of the next segment
+    read a gradient tensor that an op of this segment also reads, a fusion
+    of the two (oneDNN's Conv2DBackpropFilter + BiasAddGrad, cuDNN's
+    FusedBatchNormGrad + ReluGrad) would make one node both before and
+    after the recomputation: "N nodes in a cycle". Fusions match direct
+    data edges, so a kept Identity between segments rules out every such
+    pattern, whatever the ops; Identity forwards its input's buffer.
+    """
+    t = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    out = _identity(t.graph, t, t.op.device, "memsave_fence/" + t.op.name, _PRESERVE)
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(out, grad.indices, grad.dense_shape)
+    return out
 
 
 def graph_tensor(x, graph):

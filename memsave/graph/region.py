@@ -18,7 +18,7 @@ from memsave.errors import V1ControlFlowError
 from memsave.graph import optable
 from memsave.graph.optable import grad_reads
 from memsave.graph.stateful import is_pinned, written_handles
-from memsave.graph.walk import backward_ops, forward_ops, topo_order
+from memsave.graph.walk import backward_ops, carries_gradient, forward_ops, topo_order
 from memsave.planning.dag import PlanGraph
 
 logger = logging.getLogger("memsave")
@@ -118,9 +118,11 @@ def analyze(ys, xs):
             force(t)
         if has_gradient(op):
             # Backprop runs through the original op, so its region inputs
-            # must be kept, and the backward walk must stop there.
+            # must be kept, and the backward walk must stop there: every
+            # input TF backpropagates through, a loop's TensorList (variant)
+            # as much as a float tensor.
             for t in op.inputs:
-                if t.op in ops and differentiable(t):
+                if t.op in ops and carries_gradient(t):
                     force(t)
     if pinned:
         logger.debug("memsave: %d op(s) are never recomputed: %s", len(pinned),

@@ -123,17 +123,20 @@ def differentiably_connected(xs, ys, stop_at=()):
     # Like tf.gradients, a stop tensor gets its gradient but its op passes none on.
     stop_ops = {t.op for t in stop_at}
     reaching = set()   # refs of differentiable tensors with a path to a y
-    frontier = [y for y in ys if _differentiable_dtype(y)]
+    frontier = [y for y in ys if carries_gradient(y)]
     while frontier:
         t = frontier.pop()
         if t.ref() in reaching:
             continue
         reaching.add(t.ref())
         if t.op not in stop_ops:
-            frontier.extend(i for i in t.op.inputs if _differentiable_dtype(i))
-    return [_differentiable_dtype(x) and x.ref() in reaching for x in xs]
+            frontier.extend(i for i in t.op.inputs if carries_gradient(i))
+    return [carries_gradient(x) and x.ref() in reaching for x in xs]
 
 
-def _differentiable_dtype(t):
+def carries_gradient(t):
+    """Whether ``tf.gradients`` backpropagates through ``t`` (its dtype is
+    trainable: floating, complex, and also ``resource`` (variable handles)
+    and ``variant`` (TensorLists of loops, ``map_fn``, TensorArrays))."""
     dtype = t.dtype.base_dtype
     return dtype.is_floating or dtype.is_complex or dtype.name in ("resource", "variant")

@@ -1,0 +1,346 @@
+"""Classes of wrong gradients and crashes found by differential testing.
+
+Each class is a mechanism, checked under every strategy, with and without
+offloading, against plain ``tf.gradients`` on the same graph:
+
+- *segment hand-off* (float32, oneDNN on by default on AVX512 CPUs): a
+  fusion of an op of one backward segment with an op of the next one
+  (``_MklNativeConv2DBackpropFilterWithBias``: the BiasAddGrad of one
+  segment and the Conv2DBackpropFilter of the next share their incoming
+  gradient) made one node both before and after the next segment's
+  recomputation: "N nodes in a cycle" or "Retval[0] does not have value".
+- *kept loops*: a loop that must not be recomputed (a stateful body, or a
+  variable the step writes later) is differentiated in place; the gradient
+  through its TensorList (``variant``) input was never asked for.
+- *gated reads*: a copied ``Pow`` reads its input through a gate
+  (an Identity that carries its control inputs); when that input was an
+  offloaded checkpoint's swap-in, the swap-in's gradient was not asked for.
+
+Values are compared relative to the largest entry of all gradients:
+float64 to 1e-9; the float32 hand-off cases (oneDNN fuses float32 only)
+to 1e-5, oneDNN's rounding.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+import memsave.keras
+from memsave.planning import policies
+
+STRATEGIES = ("list", "optimal", "memory", "speed")
+OFFLOAD = (None, "auto")
+
+
+def _worst(plain, ours):
+    """max |plain - ours| over all gradients, relative to the largest entry."""
+    assert [g is None for g in plain] == [g is None for g in ours]
+    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64))
+             for a, b in zip(plain, ours) if a is not None]
+    scale = max(float(np.abs(a).max()) for a, _ in pairs)
+    return max(float(np.abs(a - b).max()) for a, b in pairs) / scale
+
+
+def _ours(loss, xs, listed, strategy, offload):
+    kwargs = {"min_checkpoint_size": 0}
+    if offload:
+        kwargs["offload"] = listed if strategy == "list" else offload
+    checkpoints = listed if strategy == "list" else strategy
+    try:
+        return memsave.gradients(loss, xs, checkpoints=checkpoints, **kwargs)
+    except memsave.NoBottleneckError:
+        if strategy == "memory":
+            return None   # 'memory' on a graph without a bottleneck: documented
+        raise
+
+
+def _in_session(case, strategy, offload):
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, listed = case.forward(case.variables())
+        ours = _ours(loss, xs, listed, strategy, offload)
+        if ours is None:
+            return 0.0
+        plain = tf.gradients(loss, xs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return _worst(*sess.run([plain, ours]))
+
+
+def _in_function(case, strategy, offload):
+    """Both gradients in one trace: a stateful op (dropout) runs once for both."""
+    vs = case.variables()
+
+    @tf.function
+    def step():
+        loss, xs, listed = case.forward(vs)
+        ours = _ours(loss, xs, listed, strategy, offload)
+        if ours is None:
+            return [], []
+        return tf.gradients(loss, xs), ours
+
+    plain, ours = step()
+    return _worst(plain, ours) if plain else 0.0
+
+
+RUNNERS = {"session": _in_session, "function": _in_function}
+
+
+# ---------------------------------------------------------------- segment hand-off
+
+class _Case:
+    """Variables made once (outside any tf.function), a forward pass per graph."""
+
+    def __init__(self, make_variables, forward):
+        self.variables, self.forward = make_variables, forward
+
+
+def _weights(seed, *shapes, dtype=np.float64):
+    rng = np.random.RandomState(seed)
+    return lambda: [tf.Variable((rng.randn(*s) / np.sqrt(s[-2] if len(s) > 1 else 10))
+                                .astype(dtype)) for s in shapes]
+
+
+def _conv_bias_relu(ws):
+    """Keeps the second conv output: its BiasAddGrad (segment 1) and the
+    Conv2DBackpropFilter of segment 2 read the same gradient."""
+    x = tf.constant(np.random.RandomState(0).randn(2, 8, 8, 3).astype(np.float32))
+    c1 = tf.nn.conv2d(x, ws[0], 1, "SAME")
+    h1 = tf.nn.relu(tf.nn.bias_add(c1, ws[1]))
+    c2 = tf.nn.conv2d(h1, ws[2], 1, "SAME")
+    h2 = tf.nn.relu(tf.nn.bias_add(c2, ws[3]))
+    return tf.reduce_sum(h2 * h2), ws, [c2]
+
+
+CONV_BIAS = _Case(_weights(0, (3, 3, 3, 4), (4,), (3, 3, 4, 4), (4,), dtype=np.float32),
+                  _conv_bias_relu)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("offload", OFFLOAD)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_conv_bias_segments_hand_off_without_a_cycle(strategy, offload, mode):
+    assert RUNNERS[mode](CONV_BIAS, strategy, offload) <= 1e-5
+
+
+def test_keep_op_types_example_runs_in_float32():
+    """docs/strategies.md's ``keep_op_types("Conv2D", "MatMul")`` on a conv net."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws, _ = CONV_BIAS.forward(CONV_BIAS.variables())
+        ours = memsave.gradients(loss, ws, min_checkpoint_size=0,
+                                 checkpoints=policies.keep_op_types("Conv2D", "MatMul"))
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            assert _worst(*sess.run([plain, ours])) <= 1e-5
+
+
+# ---------------------------------------------------------------- kept loops
+
+def _map_fn_dropout(ws):
+    """A stateful map_fn body; the skip keeps w0 connected without it."""
+    w0, w1 = ws
+    x = tf.constant(np.random.RandomState(1).randn(6, 8))
+    h = tf.tanh(x @ w0)
+    m = tf.map_fn(lambda r: tf.nn.dropout(r, 0.5), h) + h
+    loss = tf.reduce_sum(tf.tanh(m @ w1) ** 2)
+    return loss, [w0, w1], [h]
+
+
+def _scan_then_write(ws):
+    """A scan reads a variable that the step assigns afterwards: kept in place."""
+    w0, w1 = ws
+    x = tf.constant(np.random.RandomState(2).randn(6, 8))
+    h = tf.tanh(x @ w0)
+    m = tf.scan(lambda a, r: a * 0.5 + r * w1[0], h) + h
+    loss = tf.reduce_sum(tf.tanh(m @ w1) ** 2)
+    with tf.control_dependencies([loss]):
+        write = w1.assign_add(tf.ones_like(w1) * 0.1)
+    tf.compat.v1.add_to_collection("updates", write)
+    return loss, [w0, w1], [h]
+
+
+def _tensor_array_print(ws):
+    """A TensorArray loop with a tf.print in its body (stateful, not random)."""
+    w0, = ws
+    x = tf.constant(np.random.RandomState(3).randn(6, 8))
+    h = tf.tanh(x @ w0)
+    g = tf.sin(h)
+
+    def body(i, ta):
+        tf.print(i, output_stream="file:///dev/null")
+        return i + 1, ta.write(i, g[i] * 2.0)
+
+    _, ta = tf.while_loop(lambda i, ta: i < 6, body,
+                          [tf.constant(0), tf.TensorArray(tf.float64, size=6)])
+    loss = tf.reduce_sum(tf.tanh(ta.stack() + h) ** 2)
+    return loss, [w0], [h]
+
+
+KEPT_LOOPS = {"map_fn_dropout": _Case(_weights(1, (8, 8), (8, 8)), _map_fn_dropout),
+              "scan_then_write": _Case(_weights(2, (8, 8), (8, 8)), _scan_then_write),
+              "tensor_array_print": _Case(_weights(3, (8, 8)), _tensor_array_print)}
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("offload", OFFLOAD)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", sorted(KEPT_LOOPS))
+def test_kept_loop_gets_its_tensor_list_gradient(case, strategy, offload, mode):
+    assert RUNNERS[mode](KEPT_LOOPS[case], strategy, offload) <= 1e-9
+
+
+# ---------------------------------------------------------------- gated reads
+
+def _pow_reads_offloaded(ws):
+    """The copied Pow (gated) is the only reader of the offloaded checkpoint c;
+    the skip through h keeps both weights connected, so no None gives it away."""
+    w0, w1 = ws
+    x = tf.constant(np.random.RandomState(4).randn(6, 8))
+    h = tf.tanh(x @ w0)
+    c = h @ w1
+    loss = tf.reduce_sum(tf.tanh(c ** 2 + h))
+    return loss, [w0, w1], [c]
+
+
+POW_READS_OFFLOADED = _Case(_weights(4, (8, 8), (8, 8)), _pow_reads_offloaded)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("offload", OFFLOAD)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gated_copy_asks_for_the_swap_in(strategy, offload, mode):
+    assert RUNNERS[mode](POW_READS_OFFLOADED, strategy, offload) <= 1e-9
+
+
+@pytest.mark.parametrize("checkpoints", ["optimal", "speed", "memory"])
+def test_gradient_penalty_through_an_offloading_tape(checkpoints):
+    """A gradient penalty (the inner gradient on a plain tape, differentiated
+    again by memsave's) with ``offload='auto'``."""
+    rng = np.random.RandomState(5)
+    ws = [tf.Variable(rng.randn(8, 8) / 3) for _ in range(3)]
+    x = tf.constant(rng.randn(6, 8))
+
+    def step(make_tape):
+        with make_tape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                h = x
+                for w in ws:
+                    h = tf.tanh(h @ w) ** 2
+                out = tf.reduce_sum(h)
+            gx = inner.gradient(out, x)
+            loss = out + tf.reduce_sum(gx ** 2)
+        return outer.gradient(loss, ws)
+
+    @tf.function
+    def both():
+        ours = step(lambda: memsave.GradientTape(checkpoints=checkpoints, offload="auto",
+                                                 min_checkpoint_size=0))
+        return step(tf.GradientTape), ours
+
+    try:
+        plain, ours = both()
+    except memsave.NoBottleneckError:
+        assert checkpoints == "memory"
+        return
+    assert _worst(plain, ours) <= 1e-9
+
+
+# ---------------------------------------------------------------- the same, through Keras fit
+
+def _keras_fit(build, checkpoints, dtype="float32", policy=None, samples=8, batch=4, **options):
+    """The gradients of one epoch of ``fit``, summed per weight (plain if not checkpoints)."""
+    keras = pytest.importorskip("keras")
+    from tests.keras_helpers import GradientSum   # pylint: disable=import-outside-toplevel
+    floatx, old_policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx(dtype)
+    if policy:
+        keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(7)
+        model, x, y = build(keras, samples)
+        model.compile(optimizer=GradientSum(), loss="mse", jit_compile=False)
+        if checkpoints:
+            memsave.keras.enable(model, checkpoints, min_checkpoint_size=0, **options)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+        model.fit(data, epochs=1, shuffle=False, verbose=0)
+        return [v.numpy() for v in model.optimizer.sums]
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(old_policy)
+
+
+def _conv_bn(keras, samples):
+    rng = np.random.RandomState(0)
+    inputs = keras.Input((12, 12, 3))
+    h = inputs
+    for width in (8, 8, 8):
+        h = keras.layers.Conv2D(width, 3, padding="same")(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("relu")(h)
+    out = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(h))
+    x = rng.randn(samples, 12, 12, 3).astype(keras.config.floatx())
+    return keras.Model(inputs, out), x, rng.randn(samples, 1).astype(keras.config.floatx())
+
+
+def _rnn_dropout_cell(skip):
+    def build(keras, samples):
+        class Cell(keras.layers.Layer):
+            """A GRU-less cell: tanh(x W + h U) with Dropout applied in call()."""
+
+            state_size = 8
+
+            def build(self, input_shape):
+                self.w = self.add_weight(shape=(input_shape[-1], 8), name="w")
+                self.u = self.add_weight(shape=(8, 8), name="u")
+                self.drop = keras.layers.Dropout(0.3, seed=3)
+
+            def call(self, x, states, training=False):
+                h = tf.tanh(x @ self.w + states[0] @ self.u)
+                h = self.drop(h, training=training)
+                return h, [h]
+
+        rng = np.random.RandomState(1)
+        inputs = keras.Input((5, 4))
+        h = keras.layers.Dense(4, activation="tanh")(inputs)
+        seq = keras.layers.RNN(Cell(), return_sequences=True)(h)
+        if skip:
+            seq = keras.layers.Concatenate()([seq, h])
+        out = keras.layers.Dense(1)(keras.layers.Flatten()(seq))
+        x = rng.randn(samples, 5, 4).astype(keras.config.floatx())
+        return keras.Model(inputs, out), x, rng.randn(samples, 1).astype(keras.config.floatx())
+    return build
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("checkpoints", ["speed", "optimal"])
+def test_keras_conv_bn_fit_float32(checkpoints):
+    """Conv + BatchNormalization in float32, where oneDNN fuses."""
+    plain = _keras_fit(_conv_bn, None)
+    ours = _keras_fit(_conv_bn, checkpoints)
+    assert _worst(plain, ours) <= 1e-4   # float32, and batch norm over 4 x 12 x 12
+
+
+@pytest.mark.heavy
+def test_keras_conv_bn_mixed_bfloat16_with_offload():
+    """``mixed_bfloat16`` Conv + BN with ``offload='auto'`` runs, and agrees with
+    plain fit to bfloat16's precision."""
+    plain = _keras_fit(_conv_bn, None, policy="mixed_bfloat16")
+    ours = _keras_fit(_conv_bn, "optimal", policy="mixed_bfloat16", offload="auto")
+    assert all(np.all(np.isfinite(g)) for g in ours)
+    assert _worst(plain, ours) <= 3e-2
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "no_skip"])
+@pytest.mark.parametrize("checkpoints", ["optimal", "speed"])
+def test_keras_rnn_with_dropout_in_its_cell(checkpoints, skip):
+    """A keras.layers.RNN whose cell applies Dropout in call(): the loop is
+    stateful, so memsave keeps it and differentiates it in place."""
+    build = _rnn_dropout_cell(skip)
+    plain = _keras_fit(build, None, dtype="float64")
+    ours = _keras_fit(build, checkpoints, dtype="float64")
+    assert _worst(plain, ours) <= 1e-9
