@@ -16,18 +16,25 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m benchmarks.depth --demo
 
-# Two workers: CI has 2 cores.
-test: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+# Two workers: CI has 2 cores. oneDNN's fusions are on by default on most x86
+# servers and off on others: the suite runs with them forced on, and the
+# float32 conv and real-model cases (marker both_onednn) again with them off.
+ONEDNN_ON := TF_ENABLE_ONEDNN_OPTS=1
+ONEDNN_OFF := TF_ENABLE_ONEDNN_OPTS=0
 
-# Everything, the slow real-model cases included (about 25 minutes on 2 cores).
+test: $(STAMP)
+	$(ONEDNN_ON) $(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(ONEDNN_OFF) $(PY) -m pytest -q -n 2 -m "both_onednn and not slow" tests
+
+# Everything, the slow real-model cases included (see docs/testing.md for times).
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(ONEDNN_ON) $(PY) -m pytest -q -n 2 tests
+	$(ONEDNN_OFF) $(PY) -m pytest -q -n 2 -m both_onednn tests
 
 # For development: without the real-model conformance suite and the tests
-# marked heavy (under 3 minutes on 2 cores; CI runs them all with `make test`).
+# marked heavy (oneDNN on; CI runs them all with `make test`).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not real_models and not slow and not heavy" tests
+	$(ONEDNN_ON) $(PY) -m pytest -q -n 2 -m "not real_models and not slow and not heavy" tests
 
 # Every benchmark behind the README's figures (about 17 minutes on 2 cores).
 bench: $(STAMP)

@@ -5,12 +5,13 @@ import logging
 import tensorflow as tf
 
 from memsave import tf_internal
+from memsave import verify as verify_module
 from memsave.errors import GradientMismatchError
 from memsave.planning import registry
 from memsave.planning import strategies as planning
 from memsave.planning.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
 from memsave.planning.plan import Plan
-from memsave.graph import graph_tensor
+from memsave.graph import audit, graph_tensor
 from memsave.graph.region import analyze, to_plan_graph
 from memsave.graph.shapes import resolve as resolve_shapes
 from memsave.graph.walk import differentiably_connected
@@ -127,7 +128,10 @@ def _validate(ys, xs, grad_ys):
 def _resolve_xs(xs, graph):
     resolved = []
     for x in xs:
-        if isinstance(x, tf_internal.EagerTensor):
+        # Inside a tf.function an eager x (a constant, frozen weights) is
+        # captured, as tf.gradients captures it; elsewhere it cannot be.
+        if isinstance(x, tf_internal.EagerTensor) and not isinstance(graph,
+                                                                   tf_internal.FuncGraph):
             _check_graph_tensor(x, "xs")
         try:
             t = graph_tensor(x, graph)
@@ -280,7 +284,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
               budget=None, max_recompute=None, batch_size=None, shapes=None, offload=None,
               swapin_ahead=1, swapin_groupby=5,
               host_device="/device:CPU:0", host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-              device_flops=DEFAULT_DEVICE_FLOPS, fallback=None, name="gradients",
+              device_flops=DEFAULT_DEVICE_FLOPS, fallback=None, verify=None, name="gradients",
               **tf_gradients_kwargs):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
@@ -311,6 +315,11 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     ``tf.gradients`` instead (logged at INFO); an explicit list of tensors
     and a callable strategy are always honoured.
 
+    ``verify=True`` (or a tolerance) also runs plain backprop on the first
+    run of the graph and fails that run if the gradients differ by more
+    than the tolerance relative to the largest entry (see
+    :mod:`memsave.verify`); later runs cost nothing extra.
+
     Further keyword arguments (``gate_gradients``, ``aggregation_method``,
     ``stop_gradients``, ``unconnected_gradients``,
     ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
@@ -321,6 +330,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     tf_gradients_kwargs = _tf_gradients_options(tf_gradients_kwargs)
     grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
+    verify_module.check_option(verify)
     with graph.as_default():
         xs = _resolve_xs(xs, graph)
         grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
@@ -352,9 +362,15 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
             swap = SwapConfig(tuple(graph.get_tensor_by_name(n) for n in chosen.offloaded),
                               host_device, swapin_ahead, swapin_groupby)
             _say_if_offloading_is_a_no_op(swap)
-        grads = rewrite(region, kept, grad_ys=grad_ys, name=name, swap=swap,
+        ledger = audit.Ledger(graph)
+        grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,
                         **tf_gradients_kwargs)
+        audit.check(ledger, region, grads, tf_gradients_kwargs.get("stop_gradients") or [])
         _check_none_pattern(ys, xs, grads, grad_ys, name, tf_gradients_kwargs)
+        tol = verify_module.tolerance(verify, grads)
+        if tol is not None:
+            grads = verify_module.on_first_step(ys, xs, grad_ys, grads, tol,
+                                                tf_gradients_kwargs, name)
         return grads
 
 

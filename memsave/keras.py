@@ -32,7 +32,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from memsave import patching
+from memsave import patching, verify
 from memsave.options import DEFAULT_CHECKPOINTS, Config, renamed_strategy
 
 logger = logging.getLogger("memsave")
@@ -102,13 +102,17 @@ def data_batch_size(x, batch_size=None):
 
 
 def _remembering_batch(model, method, batch_of):
-    """Wrap ``method`` so the batch its data gives is set before it traces."""
+    """Wrap ``method`` so the batch its data gives is set before it traces,
+    and a failed ``verify=`` check is a GradientMismatchError."""
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         state = model.__dict__.get(_ATTR)
         if state is not None:
             state["data_batch"] = batch_of(*args, **kwargs)
-        return method(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            verify.raise_mismatch(e)
     return wrapper
 
 
@@ -208,11 +212,17 @@ class MemorySavingModel:
 
     def fit(self, *args, **kwargs):
         self._memsave_data_batch = _fit_batch(*args, **kwargs)
-        return super().fit(*args, **kwargs)
+        try:
+            return super().fit(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            verify.raise_mismatch(e)
 
     def train_on_batch(self, *args, **kwargs):
         self._memsave_data_batch = _train_on_batch_batch(*args, **kwargs)
-        return super().train_on_batch(*args, **kwargs)
+        try:
+            return super().train_on_batch(*args, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            verify.raise_mismatch(e)
 
     def train_step(self, data):
         _check_backend()

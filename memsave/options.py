@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import warnings
 
-from memsave import api
+from memsave import api, verify
 
 # The strategy of tapes, patch() and Keras: 'optimal' was as good as or
 # better than the others on every model measured (memsave.gradients keeps
@@ -55,6 +55,7 @@ class Config:
             raise TypeError("unexpected option(s) %s; memsave.gradients accepts %s"
                             % (", ".join(unknown), ", ".join(
                                 ["min_checkpoint_size"] + sorted(OPTION_NAMES))))
+        verify.check_option(self.options.get("verify"))
 
     @classmethod
     def make(cls, checkpoints=DEFAULT_CHECKPOINTS, min_checkpoint_size=1024, **options):

@@ -56,7 +56,7 @@ _POINTS = (
     ("gradients_impl", "gradients_v2", _V2),
     ("gradients", "gradients", _V1),
 )
-_TAPE_POINTS = ("gradient", "jacobian", "batch_jacobian")
+_TAPE_POINTS = ("gradient", "jacobian", "batch_jacobian", "watch")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -201,6 +201,15 @@ def _patched_jacobian(original):
     return jacobian
 
 
+def _patched_watch(original):
+    @functools.wraps(original)
+    def watch(self, tensor):
+        _tape.note_watch(self, tensor)
+        return original(self, tensor)
+    watch.__memsave_original__ = original
+    return watch
+
+
 def _sync_tapes():
     """Route tapes while the top level asks for it or a scope is open, else restore."""
     wanted = (bool(_stack) and _stack[-1].tape is not None) or _counts["scopes"] > 0
@@ -209,6 +218,7 @@ def _sync_tapes():
         for name in _TAPE_POINTS:
             _tape_originals[name] = cls.__dict__[name]
         cls.gradient = _patched_gradient
+        cls.watch = _patched_watch(_tape_originals["watch"])
         cls.jacobian = _patched_jacobian(_tape_originals["jacobian"])
         cls.batch_jacobian = _patched_jacobian(_tape_originals["batch_jacobian"])
     elif not wanted:

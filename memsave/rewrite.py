@@ -24,7 +24,9 @@ import toposort
 
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, optable
+from memsave.graph import audit
 from memsave.graph.edit import fence
+from memsave.graph.region import in_place_closure
 from memsave.graph.schedule import reducers_first
 
 logger = logging.getLogger("memsave")
@@ -171,14 +173,16 @@ class _Swapper:
             self.current[ref] = (t, len(self.backward))
 
 
-def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **grad_kwargs):
+def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=None,
+            **grad_kwargs):
     """Gradients of ``region.ys`` w.r.t. ``region.xs``, recomputing between ``checkpoints``.
 
     ``checkpoints`` must be region tensors and must include
     ``region.forced`` (which holds the xs computed inside the region). A y
     among them starts with its ``grad_ys``. With ``swap`` (a
     :class:`SwapConfig`), its tensors, all checkpoints, wait in host memory.
-    Returns one gradient (or None) per x.
+    What is built is recorded in ``ledger`` (a :class:`memsave.graph.audit.Ledger`
+    made before the call), for the audit. Returns one gradient (or None) per x.
     """
     ys, xs = region.ys, region.xs
     unconnected = grad_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
@@ -198,24 +202,30 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
     # stop_gradients, so copies read such a checkpoint through an Identity,
     # which the stop does hold (else the call's inputs get the gradient twice).
     shields = _shields(region, checkpoints)
+    ledger.inserted(shields.values())
     within = region.copyable
     d_cp, d_xs = _Accumulator(), _Accumulator()
     segment = 0
     swapper = _Swapper(region.graph, swap, "memsave_offload") if swap and swap.tensors else None
+    if swapper is not None:
+        ledger.inserted(swapper.host.values())
 
     def run_segment(boundary, seeds, grads, wait_for):
         """Copy the ops behind ``seeds`` and differentiate ``boundary``'s copy."""
         nonlocal segment
+        ledger.segment()
         seed_ops = [op for op in seeds if op in within]
         ops = backward_ops(seed_ops, stop_at=stop, within=within) if seed_ops else set()
         swapped = {}
         if swapper is not None:
             swapped = swapper.swap_in(
                 {t.ref(): t for op in ops for t in op.inputs if t.ref() in stop}, wait_for)
+            ledger.inserted(swapped.values())
         read_as = {**shields, **swapped}
         copies = copy_ops(ops, replace=read_as, wait_for=wait_for, scope="memsave_%d" % segment)
+        ledger.copied(copies)
         segment += 1
-        reads = _segment_reads(copies, boundary, stop, read_as)
+        reads = _segment_reads(copies, boundary, stop, read_as, region.ops)
         owners = [owner for owner, _ in reads.checkpoints]
         read_cp = [t for _, t in reads.checkpoints]
         via_reads = {aliases[ref].ref() for ref in reads.refs if ref in aliases}
@@ -225,11 +235,13 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         targets = read_cp + asked_x
         if not targets:
             return []
-        stops = read_cp + [copies.output(t) for t in user_stops]
+        stops = _segment_stops(read_cp, user_stops, copies)
         before = len(region.graph.get_operations())
-        grads_out = plain_gradients(
-            [copies.output(t) for t in boundary], targets, grad_ys=grads, name=name,
-            stop_gradients=stops, **grad_kwargs)
+        start = audit.next_op_id(region.graph)
+        boundary_copies = [copies.output(t) for t in boundary]
+        grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=name,
+                                    stop_gradients=stops, **grad_kwargs)
+        ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
         made_now = region.graph.get_operations()[before:]
         _read_copies(made_now, copies.of)
         reducers_first(made_now)
@@ -244,7 +256,9 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         # The next segment waits for the running sums, not just the partials,
         # so each partial is folded in (and freed) before more is recomputed.
         # They cross over fenced (see memsave.graph.edit.fence).
-        return d_cp.fence_changed() + d_xs.fence_changed()
+        fenced = d_cp.fence_changed() + d_xs.fence_changed()
+        ledger.inserted(fenced, fence=True)
+        return fenced
 
     wait = [y.op for y in ys] + [_op(g) for g in (grad_ys or []) if g is not None]
     # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
@@ -252,8 +266,11 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
     top, top_grads = [], []
     for i, y in enumerate(ys):
         g = grad_ys[i] if grad_ys else None
+        if y.ref() in stop and g is None:
+            g = tf.compat.v1.ones_like(y)
+        ledger.seed(g, y)
         if y.ref() in stop:
-            d_cp.add(y, g if g is not None else tf.compat.v1.ones_like(y))
+            d_cp.add(y, g)
         else:
             top.append(y)
             top_grads.append(g)
@@ -276,8 +293,15 @@ def rewrite(region, checkpoints, grad_ys=None, name="gradients", swap=None, **gr
         g = d_cp.total(x) if x.ref() in stop else d_xs.total(x)
         if g is None and unconnected == tf.UnconnectedGradients.ZERO:
             g = tf_internal.zeros_for_unconnected(x)
+            ledger.unconnected(g)
         results.append(g)
     return results
+
+
+def _segment_stops(read_cp, user_stops, copies):
+    """A segment's backprop stops at every checkpoint read it asks for (what
+    lies below is another segment's) and at the copies of the user's stops."""
+    return read_cp + [copies.output(t) for t in user_stops]
 
 
 @dataclasses.dataclass
@@ -288,19 +312,21 @@ class _Reads:
     checkpoints: list    # (checkpoint, the tensor read for it: itself or a substitute)
 
 
-def _segment_reads(copies, boundary, stop, read_as):
+def _segment_reads(copies, boundary, stop, read_as, region_ops):
     """The tensors the ops of a segment read from outside it.
 
     The segment is every op :func:`copy_ops` made (copies, and the gates
-    some read through) plus the boundary ops differentiated in place (kept
-    ops, never copied). Its gradient call must ask for each checkpoint it
-    reads, under whichever name it reads it: the original, or a substitute
-    from ``read_as`` (an offloaded tensor's swap-in, a call output's shield).
-    Derived from the built ops, so an op that reads through something
-    (a gate) cannot hide a read.
+    some read through) plus the ops differentiated in place: boundary ops
+    never copied (kept ops) and the function calls feeding them (see
+    :func:`memsave.graph.region.in_place_closure`). Its gradient call must
+    ask for each checkpoint it reads, under whichever name it reads it: the
+    original, or a substitute from ``read_as`` (an offloaded tensor's
+    swap-in, a call output's shield). Derived from the built ops, so an op
+    that reads through something (a gate) cannot hide a read.
     """
-    made = set(copies.made)
-    readers = list(copies.made) + [t.op for t in boundary if t.op not in copies.of]
+    in_place = in_place_closure([t.op for t in boundary if t.op not in copies.of], region_ops)
+    made = set(copies.made) | set(in_place)
+    readers = list(copies.made) + in_place
     owner_of = {sub.ref(): stop[ref] for ref, sub in read_as.items()}
     refs, checkpoints = set(), []
     for op in readers:
@@ -355,13 +381,15 @@ def _x_reads(region, leaf_xs):
     inputs are leaf xs (see :func:`memsave.planning.simulate.prepare`, which
     models the same)."""
     roots = {x.ref(): x for x in leaf_xs}
+    xs = {x.ref() for x in region.xs}
     found = {}
     for op in region.pinned:
         if op.type not in optable.INPUT_READS or not op.inputs:
             continue
         if all(t.ref() in roots for t in op.inputs):
             for out in op.outputs:
-                if out.ref() not in roots:
+                # A read that is an x itself gets its own (total) gradient.
+                if out.ref() not in xs:
                     found[out.ref()] = roots[op.inputs[0].ref()]
     return found
 

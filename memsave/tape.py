@@ -54,7 +54,7 @@ from tensorflow.autograph.experimental import do_not_convert
 
 from memsave import api
 from memsave import tf_internal
-from memsave.errors import NoBottleneckError, TapeNoBottleneckError
+from memsave.errors import GradientMismatchError, NoBottleneckError, TapeNoBottleneckError
 from memsave.graph.walk import backward_ops, forward_ops
 from memsave.log import logger, warn_once
 from memsave.options import DEFAULT_CHECKPOINTS, Config
@@ -235,6 +235,69 @@ class _Call:
     connected: bool = False   # some y depends on some x
 
 
+def _sources_tracked(tape, flat_raw, flat_xs):
+    """Whether the tape tracks each source present in the graph.
+
+    A variable is tracked when the tape watched the variable itself: the
+    tape records a nested function call (Keras runs grouped convolutions
+    as one) on the variable's own handle, not on the placeholder this
+    graph captured for it, which the tape may never have seen.
+    """
+    present = [(raw.handle if tf_internal.is_resource_variable(raw) else x)
+               for raw, x in zip(flat_raw, flat_xs) if x is not None]
+    return _tracked(tape, present)
+
+
+def _check_routes(tape, call, flat_raw, flat_xs):
+    """Raise unless every variable the plain tape would differentiate is asked for.
+
+    Independent of how the routes were chosen: a variable the tape watched,
+    read in this graph by an op the tape recorded (its output is tracked)
+    on the way to the targets, gets a gradient from the plain tape, so it
+    must get one from memsave.
+    """
+    watched = {v.handle.ref() for v in tape.watched_variables()
+               if tf_internal.is_resource_variable(v)}
+    unrouted = [(raw, x) for raw, x, route in zip(flat_raw, flat_xs, call.routes)
+                if route is None and x is not None and tf_internal.is_resource_variable(raw)
+                and raw.handle.ref() in watched and _differentiable(_variable_dtype(raw))]
+    if not unrouted or not call.ys:
+        return
+    behind = backward_ops([y.op for y in call.ys])
+    for raw, x in unrouted:
+        for op in x.consumers():
+            if op in behind and any(_tracked(tape, list(op.outputs))):
+                raise GradientMismatchError(
+                    "memsave.GradientTape: the tape recorded %s reading the variable %s on "
+                    "the way to the targets, so the plain tape gives it a gradient, but "
+                    "memsave would give None. This is a memsave bug: please report it."
+                    % (op.name, raw.name))
+
+
+# Attribute of a tape (memsave's, or a plain one while tapes are routed)
+# listing the graph tensors it watched that no active tape tracked then.
+_LEAVES = "_memsave_leaves"
+
+
+def note_watch(tape, tensor):
+    """Remember which of the tensors ``tape`` is about to watch are leaves.
+
+    The C++ tape records a watched tensor whose producer it never saw (made
+    under ``stop_recording()``, or outside the ``with`` block) as a leaf;
+    memsave walks the graph, so it must be told. Whether a tensor is
+    tracked can only be asked now, before the watch; when recording is
+    paused the answer is unknown and nothing is noted.
+    """
+    if tf_internal.tape_set_is_stopped():
+        return
+    for t in tf.nest.flatten(tensor):
+        if (_is_graph_tensor(t) and _tape_trainable(t)
+                and not tf_internal.should_record_backprop([t])):
+            if not hasattr(tape, _LEAVES):
+                setattr(tape, _LEAVES, [])
+            getattr(tape, _LEAVES).append(t)
+
+
 def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
     """Which targets, sources and constants give the plain tape's answer."""
     tracked = _tracked(tape, flat_targets)
@@ -255,13 +318,7 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
             call.xs.append(t)
         return where[t.ref()]
 
-    # A variable is tracked when the tape watched the variable itself: the
-    # tape records a nested function call (Keras runs grouped convolutions
-    # as one) on the variable's own handle, not on the placeholder this
-    # graph captured for it, which the tape may never have seen.
-    present = [(raw.handle if tf_internal.is_resource_variable(raw) else x)
-               for raw, x in zip(flat_raw, flat_xs) if x is not None]
-    present_ok = iter(_tracked(tape, present))
+    present_ok = iter(_sources_tracked(tape, flat_raw, flat_xs))
     for raw, x in zip(flat_raw, flat_xs):
         ok = next(present_ok) if x is not None else False
         is_var = tf_internal.is_resource_variable(raw)
@@ -291,6 +348,12 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
             if _tape_trainable(t):
                 inner.append(t)
     call.stops = [t for t, ok in zip(inner, _tracked(tape, inner)) if not ok]
+    # A tensor watched when nothing recorded it is a leaf for the tape: its
+    # producer was not recorded, so backprop stops there (a stop that is a
+    # source still gets its own gradient).
+    stopped = {t.ref() for t in call.stops}
+    call.stops += [t for t in getattr(tape, _LEAVES, ())
+                   if t.op in between and t.ref() not in stopped]
     if call.stops:
         logger.info("memsave: %d tensor(s) between sources and target were not recorded by "
                     "the tape; they are treated as constants, as the plain tape does: %s",
@@ -342,6 +405,7 @@ def tape_gradient(tape, config, target, sources, output_gradients=None,
         return plain()
 
     call = _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads)
+    _check_routes(tape, call, flat_raw, flat_xs)
     grads = [None] * len(call.xs)
     if call.connected:
         kwargs = {"stop_gradients": call.stops} if call.stops else {}
@@ -391,6 +455,12 @@ class GradientTape(tf.GradientTape):
     @property
     def checkpoints(self):
         return self._memsave_config.checkpoints
+
+    def watch(self, tensor):
+        note_watch(self, tensor)
+        super().watch(tensor)
+
+    watch.__doc__ = tf.GradientTape.watch.__doc__
 
     @do_not_convert
     def gradient(self, target, sources, output_gradients=None,

@@ -289,6 +289,11 @@ def copy_gradient_function(source, target):
     target._gradient_function = source._gradient_function  # pylint: disable=protected-access
 
 
+def same_gradient_function(a, b):
+    """Whether ops ``a`` and ``b`` carry the same gradient override (or none)."""
+    return a._gradient_function is b._gradient_function  # pylint: disable=protected-access
+
+
 def create_op(graph, op_type, inputs, dtypes=None, **kwargs):
     """A new op in ``graph`` with explicit inputs, attrs and op_def.
 

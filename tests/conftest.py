@@ -57,6 +57,9 @@ def pytest_configure(config):
         "markers", "slow: left out of `make test` to keep CI under 15 minutes; "
         "`make test-all` runs them")
     config.addinivalue_line(
+        "markers", "both_onednn: float32 conv and real-model cases that `make test` runs "
+        "twice, with oneDNN's fusions on (TF_ENABLE_ONEDNN_OPTS=1) and off (=0)")
+    config.addinivalue_line(
         "markers", "heavy: in `make test` (CI) but left out of `make test-fast`, the "
         "tier for development (measured peaks, deep graphs, benchmarks, subprocesses)")
 

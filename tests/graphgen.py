@@ -14,6 +14,13 @@ by :func:`build`, so a shrunk failure prints as a readable listing
 (``repr(spec)``). The names of all float tensors a spec builds are known
 without TensorFlow (:func:`tensor_names`), so checkpoints and xs are drawn
 as names too.
+
+With ``weak_spots=True`` (:func:`specs`), graphs also hold what memsave
+finds hardest: while loops, ``map_fn``/``scan`` (TensorLists), loop bodies
+that are stateful (dropout, ``tf.print``) or read a variable the step
+writes afterwards (``Spec.writes``), ``tf.cond``, nested ``tf.function``
+calls (some called twice), ``tf.custom_gradient``, ``Pow``/GELU (copies
+read through a gate) and float32 conv + bias_add + relu (what oneDNN fuses).
 """
 
 import dataclasses
@@ -37,6 +44,7 @@ class Spec:
     grad_ys: tuple        # None, or one scale per y (0 means grad_ys entry None)
     xs: tuple             # names: variables, inputs h0/h1, pool tensors h<i>, "unused"
     checkpoints: tuple    # names from tensor_names(spec)
+    writes: tuple = ()    # variables assigned after the forward pass, before gradients
 
     def __repr__(self):
         lines = ["Spec("]
@@ -48,6 +56,8 @@ class Spec:
                      % (self.losses, self.sum_losses, self.outputs, self.grad_ys))
         lines.append("  xs=%r" % (self.xs,))
         lines.append("  checkpoints=%r" % (self.checkpoints,))
+        if self.writes:
+            lines.append("  writes=%r  (assigned after the forward pass)" % (self.writes,))
         lines.append("  # raw: ops=%r" % (self.ops,))
         lines.append(")")
         return "\n".join(lines)
@@ -67,7 +77,20 @@ _OP_DOC = """
 ("reshape3", a)       reshape(transpose(reshape(h[a], [B, W/2, 2]), [0, 2, 1]), [B, W])
 ("embed", e, seed)    gather(e, ids(seed))  (e: None = fresh table)
 ("dropout", a)        tf.nn.dropout(h[a], 0.5, noise_shape=Shape(h[a]))
+("loop", form, a, w)  a loop over h[a] reading w: form "while" (2 steps of
+                      s/2 + tanh(s @ w)/2), "map" (tanh(row @ w) per row),
+                      "scan" (acc/2 + tanh(row @ w)), "map_dropout" (dropout
+                      in the body: stateful), "map_print" (tf.print in it)
+("cond", a, w)        tf.cond(sum(h[a]) > 0, tanh(h[a] @ w), h[a] / 2)
+("call", a, w, n)     a nested tf.function tanh(h @ w) * 1.5, applied n (1, 2) times
+("custom", form, a)   tf.custom_gradient: form "silu" (tf.nn.silu), "tanh" (a
+                      tanh whose gradient closes over its output)
+("pow", form, a)      form "cube" (h[a] ** 3 / 3), "gelu" (approximate GELU)
+("conv", a, k)        relu(bias_add(conv2d(h[a] as [B, W/2, 2, 1], k), k[0,0,0]))
+                      in float32 (k: [2, 2, 1, 1])
 """
+
+LOOP_FORMS = ("while", "map", "scan", "map_dropout", "map_print")
 
 
 def _op_text(op, pool):
@@ -89,6 +112,17 @@ def _op_text(op, pool):
         return "%s(%s)" % (kind, ref(op[1]))
     if kind == "embed":
         return "gather(%s, ids%d)" % ("fresh e" if op[1] is None else "e%d" % op[1], op[2])
+    if kind == "loop":
+        return "%s(%s, %s)" % (op[1], ref(op[2]), "fresh w" if op[3] is None else "w%d" % op[3])
+    if kind == "cond":
+        return "cond(%s, %s)" % (ref(op[1]), "fresh w" if op[2] is None else "w%d" % op[2])
+    if kind == "call":
+        return "call%s(%s, %s)" % ("x%d" % op[3] if op[3] > 1 else "", ref(op[1]),
+                                   "fresh w" if op[2] is None else "w%d" % op[2])
+    if kind in ("custom", "pow"):
+        return "%s_%s(%s)" % (kind, op[1], ref(op[2]))
+    if kind == "conv":
+        return "conv(%s, %s)" % (ref(op[1]), "fresh k" if op[2] is None else "k%d" % op[2])
     raise ValueError(kind)
 
 
@@ -97,7 +131,7 @@ def _op_text(op, pool):
 def _walk(spec):
     """Yield (event, data) for the spec without TensorFlow: the single source
     of truth for variable and tensor names, used by both drawing and building."""
-    counts = {"w": 0, "b": 0, "e": 0}
+    counts = {"w": 0, "b": 0, "e": 0, "k": 0}
     pool = 2
 
     def var(prefix, index):
@@ -112,8 +146,12 @@ def _walk(spec):
         h = "h%d" % pool
         inter = []
         new_var = None
-        if kind == "matmul":
+        if kind in ("matmul", "cond", "call"):
             new_var = var("w", op[2])
+        elif kind == "loop":
+            new_var = var("w", op[3])
+        elif kind == "conv":
+            new_var = var("k", op[2])
         elif kind == "bias":
             new_var = var("b", op[2])
         elif kind == "embed":
@@ -162,7 +200,11 @@ def tensor_names(ops, losses=()):
 # Where each op kind keeps its back-offset operands.
 OPERANDS = {"matmul": (1,), "unary": (2,), "add": (1, 2), "mul": (1, 2), "rowadd": (1, 2),
             "bias": (1,), "concat_split": (1, 2), "reduce": (3,), "transpose": (1,),
-            "reshape3": (1,), "dropout": (1,), "embed": ()}
+            "reshape3": (1,), "dropout": (1,), "embed": (), "loop": (2,), "cond": (1,),
+            "call": (1,), "custom": (2,), "pow": (2,), "conv": (1,)}
+# Where ops that name a variable keep its share index, and its prefix.
+SHARES = {"matmul": (2, "w"), "bias": (2, "b"), "embed": (1, "e"), "loop": (3, "w"),
+          "cond": (2, "w"), "call": (2, "w"), "conv": (2, "k")}
 
 _OFFSET = st.one_of(st.just(0), st.integers(0, 2), st.integers(0, 63))
 _SHARE = st.one_of(st.none(), st.none(), st.integers(0, 3))
@@ -173,7 +215,20 @@ def _offset(pool_size):
     return _OFFSET.map(lambda off: off % pool_size)
 
 
-def _raw_op(allow_dropout):
+def _weak_op():
+    """One of the op kinds memsave finds hardest (see the module docstring)."""
+    loop = st.tuples(st.just("loop"), st.sampled_from(LOOP_FORMS), _OFFSET, _SHARE)
+    return st.one_of([
+        loop, loop,
+        st.tuples(st.just("cond"), _OFFSET, _SHARE),
+        st.tuples(st.just("call"), _OFFSET, _SHARE, st.integers(1, 2)),
+        st.tuples(st.just("custom"), st.sampled_from(["silu", "tanh"]), _OFFSET),
+        st.tuples(st.just("pow"), st.sampled_from(["cube", "gelu"]), _OFFSET),
+        st.tuples(st.just("conv"), _OFFSET, _SHARE),
+    ])
+
+
+def _raw_op(allow_dropout, weak_spots=False):
     """One op with unnormalized operands (see :func:`_normalize`)."""
     kinds = [
         st.tuples(st.just("matmul"), _OFFSET, _SHARE),
@@ -187,18 +242,21 @@ def _raw_op(allow_dropout):
     ]
     if allow_dropout:
         kinds.append(st.tuples(st.just("dropout"), _OFFSET))
-    return st.one_of(kinds)
+    plain = st.one_of(kinds)
+    if not weak_spots:
+        return plain
+    # About one op in two is a weak spot (a loop one in eight).
+    return st.one_of(plain, _weak_op())
 
 
 def _normalize(raw_ops):
     """Clip back-offsets to the pool and make out-of-range shares fresh variables."""
-    ops, counts = [], {"w": 0, "b": 0, "e": 0}
+    ops, counts = [], {"w": 0, "b": 0, "e": 0, "k": 0}
     for i, op in enumerate(raw_ops):
         pool = 2 + i
         kind = op[0]
-        if kind in ("matmul", "bias", "embed"):
-            prefix = {"matmul": "w", "bias": "b", "embed": "e"}[kind]
-            share_at = 1 if kind == "embed" else 2
+        if kind in SHARES:
+            share_at, prefix = SHARES[kind]
             share = op[share_at]
             if share is None or share >= counts[prefix]:
                 share = None
@@ -226,12 +284,22 @@ def ancestry(ops, losses=()):
     return deps
 
 
+def _read_in_bodies(ops):
+    """Variables that loops, conds and calls read (candidates for a later write)."""
+    names = []
+    for _, (op, _, new_var, _, _) in _walk(ops):
+        if op[0] in ("loop", "cond", "call") and new_var[0] not in names:
+            names.append(new_var[0])
+    return names
+
+
 @st.composite
 def specs(draw, min_ops=5, max_ops=60, allow_dropout=True, max_checkpoints=8,
-          nested_xs=False):
-    """A random Spec. Unless ``nested_xs``, no x is an ancestor of another x."""
-    ops = draw(st.lists(_raw_op(allow_dropout), min_size=min_ops, max_size=max_ops)
-               .map(_normalize))
+          nested_xs=False, weak_spots=False):
+    """A random Spec. Unless ``nested_xs``, no x is an ancestor of another x.
+    ``weak_spots`` mixes in the op kinds memsave finds hardest."""
+    ops = draw(st.lists(_raw_op(allow_dropout, weak_spots), min_size=min_ops,
+                        max_size=max_ops).map(_normalize))
     n = len(ops)
     pool = 2 + n
     variables = variable_names(ops)
@@ -268,7 +336,10 @@ def specs(draw, min_ops=5, max_ops=60, allow_dropout=True, max_checkpoints=8,
     names = tensor_names(ops, losses)
     checkpoints = tuple(draw(st.lists(st.sampled_from(names), max_size=max_checkpoints,
                                       unique=True)))
-    return Spec(ops, tuple(losses), outputs, sum_losses, grad_ys, xs, checkpoints)
+    readable = _read_in_bodies(ops)
+    writes = tuple(draw(st.lists(st.sampled_from(readable), max_size=2, unique=True))
+                   ) if readable else ()
+    return Spec(ops, tuple(losses), outputs, sum_losses, grad_ys, xs, checkpoints, writes)
 
 
 def has_nested_xs(spec):
@@ -287,7 +358,7 @@ def _init(name, shape):
 
 def make_variables(tf, spec):
     """The spec's tf.Variables (and the unused one), by name."""
-    shapes = {"w": (W, W), "b": (W,), "e": (VOCAB, W)}
+    shapes = {"w": (W, W), "b": (W,), "e": (VOCAB, W), "k": (2, 2, 1, 1)}
     out = {name: tf.Variable(_init(name, shapes[name[0]]), name=name)
            for name in variable_names(spec.ops)}
     out["unused"] = tf.Variable(_init("unused", (W, W)), name="unused")
@@ -358,6 +429,27 @@ def build(tf, spec, variables):
             elif kind == "dropout":
                 a = at(op[1])
                 out = tf.nn.dropout(a, rate=0.5, noise_shape=tf.raw_ops.Shape(input=a))
+            elif kind == "loop":
+                out = _loop(tf, op[1], at(op[2]), variables[new_var[0]])
+            elif kind == "cond":
+                a, w = at(op[1]), variables[new_var[0]]
+                out = tf.cond(tf.reduce_sum(a) > 0, lambda: tf.tanh(a @ w), lambda: a * 0.5)
+            elif kind == "call":
+                out = at(op[1])
+                for _ in range(op[3]):
+                    out = _function(tf, "call")(out, variables[new_var[0]])
+            elif kind == "custom":
+                out = (tf.nn.silu(at(op[2])) if op[1] == "silu"
+                       else _function(tf, "custom_tanh")(at(op[2])))
+            elif kind == "pow":
+                a = at(op[2])
+                out = a ** 3 / 3.0 if op[1] == "cube" else tf.nn.gelu(a, approximate=True)
+            elif kind == "conv":
+                k = variables[new_var[0]]
+                image = tf.reshape(at(op[1]), [B, W // 2, 2, 1])
+                conv = tf.nn.conv2d(image, k, 1, "SAME")
+                out = tf.reshape(tf.nn.relu(tf.nn.bias_add(conv, tf.reshape(k[0, 0, 0], [1]))),
+                                 [B, W])
             else:
                 raise AssertionError(kind)
         pool.append(rec(h, out))
@@ -402,9 +494,66 @@ def build(tf, spec, variables):
     expected = tensor_names(spec.ops, spec.losses)
     assert list(named) == expected, (list(named), expected)
 
+    # Writes after the forward pass: in a tf.function they run after it
+    # (automatic control dependencies); in a Graph they wait for all of it.
+    writes = []
+    with tf.control_dependencies([t.op for t in ys + pool + loss_ts]):
+        for name in spec.writes:
+            writes.append(variables[name].assign_add(
+                tf.fill(variables[name].shape, 0.25), read_value=False))
+
     xs = []
     for name in spec.xs:
         xs.append(variables[name] if name in variables else named[name])
     return dict(ys=ys, grad_ys=grad_ys, xs=xs,
                 checkpoints=[named[c] for c in spec.checkpoints],
-                tensors=named, forward=pool + loss_ts)
+                tensors=named, forward=pool + loss_ts, writes=writes)
+
+
+def is_random(spec):
+    """Whether the forward pass draws random numbers (forward values differ per run)."""
+    return any(op[0] == "dropout" or (op[0] == "loop" and op[1] == "map_dropout")
+               for op in spec.ops)
+
+
+def _loop(tf, form, h, w):
+    if form == "while":
+        return tf.while_loop(lambda i, s: i < 2,
+                             lambda i, s: (i + 1, 0.5 * s + 0.5 * tf.tanh(s @ w)),
+                             [tf.constant(0), h])[1]
+
+    def row(r):
+        return tf.tanh(tf.linalg.matvec(w, r, transpose_a=True))
+
+    if form == "map":
+        return tf.map_fn(row, h)
+    if form == "scan":
+        return tf.scan(lambda acc, r: 0.5 * acc + row(r), h)
+    if form == "map_dropout":
+        return tf.map_fn(lambda r: tf.nn.dropout(row(r), 0.5), h)
+    if form == "map_print":
+        def body(r):
+            tf.print(tf.reduce_sum(r), output_stream="file:///dev/null")
+            return row(r)
+        return tf.map_fn(body, h)
+    raise AssertionError(form)
+
+
+_FUNCTIONS = {}
+
+
+def _function(tf, name):
+    """Functions made once per process: a nested tf.function and a custom gradient."""
+    if name not in _FUNCTIONS:
+        if name == "call":
+            _FUNCTIONS[name] = tf.function(lambda h, w: tf.tanh(h @ w) * 1.5)
+        else:
+            @tf.custom_gradient
+            def custom_tanh(x):
+                y = tf.tanh(x)
+
+                def grad(dy):
+                    return dy * (1.0 - y * y)   # closes over the forward output
+                return y, grad
+            _FUNCTIONS[name] = custom_tanh
+    return _FUNCTIONS[name]

@@ -15,9 +15,12 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memsave
+
+pytestmark = pytest.mark.both_onednn
 
 
 def _cube_net(graph):

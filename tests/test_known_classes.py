@@ -12,6 +12,10 @@ offloading, against plain ``tf.gradients`` on the same graph:
 - *kept loops*: a loop that must not be recomputed (a stateful body, or a
   variable the step writes later) is differentiated in place; the gradient
   through its TensorList (``variant``) input was never asked for.
+- *calls feeding kept ops* (found by the fuzzer): ``tf.gradients``
+  differentiates a function call even when its output is a stop, so a call
+  feeding an op kept in place (here a call reading a variable the step
+  writes later) was differentiated twice.
 - *gated reads*: a copied ``Pow`` reads its input through a gate
   (an Identity that carries its control inputs); when that input was an
   offloaded checkpoint's swap-in, the swap-in's gradient was not asked for.
@@ -31,6 +35,10 @@ from memsave.planning import policies
 
 STRATEGIES = ("list", "optimal", "memory", "speed")
 OFFLOAD = (None, "auto")
+
+# The float32 cases here are what oneDNN fuses: `make test` runs this module
+# with oneDNN's fusions on and again with them off.
+pytestmark = pytest.mark.both_onednn
 
 
 def _worst(plain, ours):
@@ -192,11 +200,41 @@ def test_kept_loop_gets_its_tensor_list_gradient(case, strategy, offload, mode):
     assert RUNNERS[mode](KEPT_LOOPS[case], strategy, offload) <= 1e-9
 
 
+# ---------------------------------------------------------------- calls feeding kept ops
+
+_NESTED = {}
+
+
+def _kept_calls(ws):
+    """Two nested calls reading w0, which the step assigns afterwards: both kept."""
+    if "f" not in _NESTED:
+        _NESTED["f"] = tf.function(lambda h, w: tf.tanh(h @ w) * 1.5)
+    f = _NESTED["f"]
+    w0, w1 = ws
+    x = tf.constant(np.random.RandomState(8).randn(6, 8))
+    h = tf.tanh(x @ w1)
+    out = f(f(tf.sin(h), w0), w0) + h
+    loss = tf.reduce_sum(tf.tanh(out @ w1) ** 2)
+    with tf.control_dependencies([loss]):
+        write = w0.assign_add(tf.ones_like(w0) * 0.1)
+    tf.compat.v1.add_to_collection("updates", write)
+    return loss, [w0, w1], [h]
+
+
+KEPT_CALLS = _Case(_weights(8, (8, 8), (8, 8)), _kept_calls)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("offload", OFFLOAD)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_call_feeding_a_kept_op_is_differentiated_once(strategy, offload, mode):
+    assert RUNNERS[mode](KEPT_CALLS, strategy, offload) <= 1e-9
+
+
 # ---------------------------------------------------------------- gated reads
 
 def _pow_reads_offloaded(ws):
-    """The copied Pow (gated) is the only reader of the offloaded checkpoint c;
-    the skip through h keeps both weights connected, so no None gives it away."""
+    """The copied Pow (gated) is the only reader of the offloaded checkpoint c."""
     w0, w1 = ws
     x = tf.constant(np.random.RandomState(4).randn(6, 8))
     h = tf.tanh(x @ w0)
@@ -344,3 +382,58 @@ def test_keras_rnn_with_dropout_in_its_cell(checkpoints, skip):
     plain = _keras_fit(build, None, dtype="float64")
     ours = _keras_fit(build, checkpoints, dtype="float64")
     assert _worst(plain, ours) <= 1e-9
+
+
+# ---------------------------------------------------------------- found by a helper trying to break memsave
+
+def _penalty_through(kind):
+    """Double backprop: a gradient penalty through a while loop or a cond. The
+    loop's (cond's) gradient is itself a while (cond) whose bodies are
+    TensorFlow's gradient graphs; memsave keeps it in place."""
+    def forward(ws):
+        w, = ws
+        x = tf.constant(np.random.RandomState(9).randn(4, 8))
+        if kind == "while":
+            h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.tanh(h @ w)),
+                              [tf.constant(0), x])[1]
+        else:
+            h = tf.cond(tf.reduce_sum(x) > -1e9, lambda: tf.tanh(x @ w), lambda: x)
+        d = tf.reduce_sum(h ** 2)
+        gx = tf.gradients(d, x)[0]
+        return d + tf.reduce_sum(gx ** 2), [w], [h]
+    return _Case(_weights(9, (8, 8)), forward)
+
+
+def _read_and_variable(ws):
+    """A variable and its read value, both as xs."""
+    w, w2 = ws
+    r = w.value()   # the ReadVariableOp output
+    h = tf.tanh(tf.constant(np.random.RandomState(10).randn(4, 8)) @ r)
+    return tf.reduce_sum(tf.tanh(h @ w2) ** 2), [w, r, w2], [h]
+
+
+OTHERS = {"penalty_through_while": _penalty_through("while"),
+          "penalty_through_cond": _penalty_through("cond"),
+          "variable_and_its_read": _Case(_weights(10, (8, 8), (8, 8)), _read_and_variable)}
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", sorted(OTHERS))
+def test_found_by_breaking(case, strategy, mode):
+    assert RUNNERS[mode](OTHERS[case], strategy, None) <= 1e-9
+
+
+def test_eager_constant_as_an_x_inside_tf_function():
+    """tf.gradients captures an eager x (frozen weights) into the function; so must memsave."""
+    w = tf.constant(np.random.RandomState(11).randn(8, 8))
+    x = tf.constant(np.random.RandomState(12).randn(4, 8))
+
+    @tf.function
+    def step():
+        loss = tf.reduce_sum(tf.tanh(tf.tanh(x @ w) @ w) ** 2)
+        return tf.gradients(loss, [w]), memsave.gradients(loss, [w], checkpoints="optimal",
+                                                          min_checkpoint_size=0)
+
+    plain, ours = step()
+    assert _worst(plain, ours) <= 1e-12

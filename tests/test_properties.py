@@ -13,14 +13,21 @@ independent brute force (remove each candidate tensor, see whether some
 activation loses its path to the ys). Such graphs must stay a minority.
 When 'memory' does plan, every tensor it keeps must be such a bottleneck.
 
+The weak-spot tests draw graphs with loops (stateful bodies, variables
+written later in the step), conds, nested calls, custom gradients, Pow/GELU
+and float32 conv + bias, and run every strategy with and without
+``offload='auto'``, an offloaded list and a budget.
+
 Hypothesis profiles are registered here: "ci" (the default: derandomized,
 240 Session examples, 40 tf.function examples, 240 planning-only examples,
-no deadline) and "long" (``HYPOTHESIS_PROFILE=long``: 2000 / 333 / 2000,
+120 + 40 weak-spot examples, no deadline) and "long"
+(``HYPOTHESIS_PROFILE=long``: 2000 / 333 / 2000, weak spots 2000 + 333,
 random). Each test applies the chosen profile through ``settings(parent=...)``
 rather than loading it globally, so other test files are unaffected.
 """
 
 import collections
+import contextlib
 import os
 
 import numpy as np
@@ -30,6 +37,7 @@ from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from tensorflow.python.framework.ops import EagerTensor
 
 import memsave
+from memsave.graph.region import analyze
 from tests import graphgen
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
@@ -45,6 +53,16 @@ N_STRICT = N                      # planning-only examples (no session, fast)
 
 RTOL = 1e-5
 STRATEGIES = ("memory", "speed", "optimal", "collection", "list")
+# The weak-spot graphs also run with offloading and a budget: (label, strategy, options).
+CONFIGS = tuple((s, s, {}) for s in STRATEGIES) + (
+    ("optimal+offload", "optimal", {"offload": "auto"}),
+    ("speed+offload", "speed", {"offload": "auto"}),
+    ("list+offload", "list", {"offload": "listed"}),
+    ("optimal+budget", "optimal", {"budget": "midway"}),
+)
+LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
+N_WEAK = N if LONG else N // 2    # weak-spot examples, in a Session
+N_WEAK_FUNCTION = max(N // 6, 10)  # and in a tf.function
 
 
 # ---------------------------------------------------------------- comparison
@@ -163,8 +181,14 @@ def brute_force_bottlenecks(ys, xs, strict=False):
     # the ys runs through an x has none).
     activations = {n for n in reached(None) if n != sink and n not in x_names
                    and n not in reads}
+    # Ops memsave keeps in place are no candidates (a call whose body only
+    # reads is stateful by its op type, yet recomputable), nor the tensors it
+    # keeps for them anyway (their inputs).
+    analysis = analyze(ys, xs)
+    forced = {t.name for t in analysis.forced}
     candidates = sorted(
-        t.name for op in region if not op.op_def.is_stateful for t in op.outputs
+        t.name for op in region if op not in analysis.pinned for t in op.outputs
+        if t.name not in forced
         if (t.dtype.is_floating or t.dtype.is_complex) and t.name not in y_names
         and t.name not in nested_xs)
     found = []
@@ -177,85 +201,145 @@ def brute_force_bottlenecks(ys, xs, strict=False):
 
 # ---------------------------------------------------------------- one example
 
-def _call(strategy, built):
+def _call(strategy, built, options=None):
     ys, xs, grad_ys = built["ys"], built["xs"], built["grad_ys"]
     if strategy == "list":
         cps = built["checkpoints"]
     else:
         cps = strategy
-    return memsave.gradients(ys, xs, grad_ys, checkpoints=cps, min_checkpoint_size=0)
+    options = dict(options or {})
+    if options.get("offload") == "listed":
+        options["offload"] = built["checkpoints"]
+    if options.get("budget") == "midway":
+        # Halfway between the lowest estimate and plain's: it binds, and fits.
+        lowest = memsave.plan(ys, xs, checkpoints="optimal", min_checkpoint_size=0)
+        options["budget"] = (lowest.estimated_peak_bytes + lowest.plain_peak_bytes) // 2
+    return memsave.gradients(ys, xs, grad_ys, checkpoints=cps, min_checkpoint_size=0,
+                             **options)
 
 
-def _snapshot(graph):
+def _try(label, strategy, options, built, stats, oracle=True):
+    """memsave's gradients for one configuration, or None where it documents a refusal.
+
+    With ``oracle``, 'memory' may refuse only graphs the brute force finds
+    no bottleneck in (the weak-spot tests check gradients, not that)."""
+    try:
+        return _call(strategy, built, options)
+    except memsave.NoBottleneckError:
+        assert strategy == "memory"
+        stats["no_bottleneck"] += 1
+        if oracle:
+            found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
+            assert not found, "NoBottleneckError, but %s cut the graph" % found
+    except memsave.BudgetError:
+        assert "budget" in options, label
+        stats["budget refused"] += 1
+    except ValueError as e:
+        # A listed tensor that cannot wait in host memory (a y, an x, read
+        # in place by a kept op): the documented refusal.
+        if "cannot offload" not in str(e) or options.get("offload") != "listed":
+            raise
+        stats["offload refused"] += 1
+    return None
+
+
+REWRITTEN_BY_TF = ("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+                   "PartitionedCall", "StatefulPartitionedCall")
+
+
+def _snapshot(graph, skip=()):
     return {op.name: (op.node_def.SerializeToString(deterministic=True),
                       [t.name for t in op.inputs], [c.name for c in op.control_inputs])
-            for op in graph.get_operations()}
+            for op in graph.get_operations() if op.type not in skip}
 
 
-def run_session_example(spec, stats):
+def _count_kinds(spec, built, stats):
+    stats["examples"] += 1
+    kinds = {op[0] for op in spec.ops} | {op[1] for op in spec.ops if op[0] == "loop"}
+    for kind in ("dropout", "embed", "loop", "cond", "call", "custom", "pow", "conv",
+                 "map_dropout", "map_print", "scan", "while"):
+        stats["with " + kind] += kind in kinds
+    stats["with a later write"] += bool(spec.writes)
+    stats["several ys"] += len(built["ys"]) > 1
+    stats["with grad_ys"] += spec.grad_ys is not None
+
+
+def run_session_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=True):
     note(repr(spec))
+    # TensorFlow's gradient of a cond, while loop or call made in a Graph
+    # rewrites that op to output its intermediates (plain tf.gradients does
+    # it, and so does memsave for ops it keeps in place): a Session made
+    # before that cannot run the result. With such ops, the forward pass
+    # runs in a Session of its own and another one runs the gradients.
+    control_flow = any(op[0] in ("loop", "cond", "call") for op in spec.ops)
     graph = tf.Graph()
-    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+    with graph.as_default(), contextlib.ExitStack() as stack:
         variables = graphgen.make_variables(tf, spec)
         built = graphgen.build(tf, spec, variables)
         for t in built["checkpoints"]:
             tf.compat.v1.add_to_collection("checkpoints", t)
-        # The session runs the forward pass before memsave touches the graph.
-        sess.run(tf.compat.v1.global_variables_initializer())
+        init = tf.compat.v1.global_variables_initializer()
         # Fetch forward tensors through Identity ops: with oneDNN, Grappler's
         # remapper fuses sigmoid(x) * x into one op and drops a *fetched*
         # Sigmoid ("Tensor Sigmoid:0 ... was not found in the Graph"), a
         # TensorFlow bug unrelated to memsave.
         forward = [tf.identity(t) for t in built["forward"]]
-        forward_before = sess.run(forward)
-        before = _snapshot(graph)
+        # The session runs the forward pass before memsave touches the graph.
+        first = tf.compat.v1.Session(graph=graph)
+        if control_flow:
+            with first:
+                first.run(init)
+                forward_before = first.run(forward)
+        else:
+            sess = stack.enter_context(first)
+            sess.run(init)
+            forward_before = sess.run(forward)
+        before = _snapshot(graph, skip=REWRITTEN_BY_TF if control_flow else ())
         ours = {}
-        for strategy in STRATEGIES:
-            try:
-                ours[strategy] = _call(strategy, built)
-            except memsave.NoBottleneckError:
-                assert strategy == "memory"
-                stats["no_bottleneck"] += 1
-                found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
-                assert not found, "NoBottleneckError, but %s cut the graph" % found
+        for label, strategy, options in configs:
+            grads = _try(label, strategy, options, built, stats, oracle)
+            if grads is None:
                 continue
-            if strategy == "memory" and _region(built["ys"], _handles(built["xs"])):
+            ours[label] = grads
+            if oracle and strategy == "memory" and not options and _region(built["ys"],
+                                                                 _handles(built["xs"])):
                 plan = memsave.plan(built["ys"], built["xs"], "memory", min_checkpoint_size=0)
                 note("memory kept %s" % (plan.checkpoints,))
                 true = set(brute_force_bottlenecks(built["ys"], built["xs"], strict=True))
                 assert set(plan.checkpoints) <= true, (
                     "'memory' kept non-bottlenecks %s" % sorted(set(plan.checkpoints) - true))
-        stats["examples"] += 1
-        kinds = {op[0] for op in spec.ops}
-        stats["with dropout"] += "dropout" in kinds
-        stats["with embedding"] += "embed" in kinds
-        stats["several ys"] += len(built["ys"]) > 1
-        stats["with grad_ys"] += spec.grad_ys is not None
-        # Rewriting only added ops.
+        _count_kinds(spec, built, stats)
+        # Rewriting only added ops (but for kept control flow and calls, which
+        # TensorFlow's own gradient rewrites).
         after = _snapshot(graph)
-        assert {k: after[k] for k in before} == before, "memsave changed an existing op"
+        changed = sorted(k for k in before if after[k] != before[k])
+        assert not changed, "memsave changed existing ops: %s" % changed
         # Plain gradients last, as a user adding memsave to a graph would.
         plain = tf.gradients(built["ys"], built["xs"], built["grad_ys"])
-        for strategy, grads in ours.items():
-            check_pattern(plain, grads, strategy)
+        for label, grads in ours.items():
+            check_pattern(plain, grads, label)
         stats["with a None gradient"] += any(g is None for g in plain)
         stats["with a sparse gradient"] += any(isinstance(g, tf.IndexedSlices) for g in plain)
 
         fetch = {"plain": [_dense(g) for g in plain if g is not None],
-                 "forward": forward}
-        for strategy, grads in ours.items():
-            fetch[strategy] = [_dense(g) for g in grads if g is not None]
+                 "forward": forward, "writes": built["writes"]}
+        for label, grads in ours.items():
+            fetch[label] = [_dense(g) for g in grads if g is not None]
+        if control_flow:
+            sess = stack.enter_context(tf.compat.v1.Session(graph=graph))
+            sess.run(init)
+        # One run: the writes (after the ys) happen in it, as in a training step.
         values = sess.run(fetch)
     # Forward values are unchanged by the rewrite (dropout draws a new mask per run).
-    if not any(op[0] == "dropout" for op in spec.ops):
+    if not graphgen.is_random(spec):
         for i, (a, b) in enumerate(zip(forward_before, values["forward"])):
             assert_close(a, b, "forward tensor %d" % i)
-    for strategy in ours:
-        for i, (a, b) in enumerate(zip(values["plain"], values[strategy])):
-            assert_close(a, b, "%s: gradient %d" % (strategy, i))
+    for label in ours:
+        for i, (a, b) in enumerate(zip(values["plain"], values[label])):
+            assert_close(a, b, "%s: gradient %d" % (label, i))
 
 
-def run_function_example(spec, stats):
+def run_function_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=True):
     note(repr(spec))
     variables = graphgen.make_variables(tf, spec)
     out = {}
@@ -264,33 +348,29 @@ def run_function_example(spec, stats):
     def step():
         built = graphgen.build(tf, spec, variables)
         results, grads_of = {}, {}
-        for strategy in STRATEGIES:
+        for label, strategy, options in configs:
             if strategy == "collection":
                 graph = tf.compat.v1.get_default_graph()
                 graph.clear_collection("checkpoints")
                 for t in built["checkpoints"]:
                     graph.add_to_collection("checkpoints", t)
-            try:
-                grads = _call(strategy, built)
-            except memsave.NoBottleneckError:
-                stats["no_bottleneck"] += 1
-                found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
-                assert not found, "NoBottleneckError, but %s cut the graph" % found
+            grads = _try(label, strategy, options, built, stats, oracle)
+            if grads is None:
                 continue
-            grads_of[strategy] = grads
-            results[strategy] = [_dense(g) for g in grads if g is not None]
+            grads_of[label] = grads
+            results[label] = [_dense(g) for g in grads if g is not None]
         plain = tf.gradients(built["ys"], built["xs"], built["grad_ys"])
-        for strategy, grads in grads_of.items():
-            check_pattern(plain, grads, strategy)
+        for label, grads in grads_of.items():
+            check_pattern(plain, grads, label)
         results["plain"] = [_dense(g) for g in plain if g is not None]
-        out["strategies"] = [s for s in STRATEGIES if s in results]
+        out["labels"] = list(grads_of)
+        _count_kinds(spec, built, stats)
         return results
 
     values = step()
-    stats["examples"] += 1
-    for strategy in out["strategies"]:
-        for i, (a, b) in enumerate(zip(values["plain"], values[strategy])):
-            assert_close(a.numpy(), b.numpy(), "%s: gradient %d" % (strategy, i))
+    for label in out["labels"]:
+        for i, (a, b) in enumerate(zip(values["plain"], values[label])):
+            assert_close(a.numpy(), b.numpy(), "%s: gradient %d" % (label, i))
 
 
 def _minority(stats, limit=0.5):
@@ -327,6 +407,35 @@ def test_random_dags_tf_function():
     @given(spec=graphgen.specs(min_ops=5, max_ops=30))
     def check(spec):
         run_function_example(spec, stats)
+
+    check()
+    _minority(stats)
+
+
+@pytest.mark.heavy
+def test_weak_spots_session():
+    """Loops (stateful ones too, and ones reading a variable written later),
+    conds, nested calls, custom gradients, Pow/GELU and float32 conv + bias:
+    every strategy, with and without offloading, and a budget."""
+    stats = collections.Counter()
+
+    @settings(parent=PROFILE, max_examples=N_WEAK)
+    @given(spec=graphgen.specs(min_ops=4, max_ops=24, weak_spots=True))
+    def check(spec):
+        run_session_example(spec, stats, CONFIGS, oracle=False)
+
+    check()
+    _minority(stats)
+
+
+@pytest.mark.heavy
+def test_weak_spots_tf_function():
+    stats = collections.Counter()
+
+    @settings(parent=PROFILE, max_examples=N_WEAK_FUNCTION)
+    @given(spec=graphgen.specs(min_ops=4, max_ops=16, weak_spots=True))
+    def check(spec):
+        run_function_example(spec, stats, CONFIGS, oracle=False)
 
     check()
     _minority(stats)

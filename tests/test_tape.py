@@ -427,3 +427,51 @@ def test_variables_read_inside_a_nested_function_call(strategy):
     ours = step(lambda: memsave.GradientTape(checkpoints=strategy, min_checkpoint_size=0))
     assert all(g is not None for g in plain)
     assert_same(plain, ours, atol=1e-5 * max(float(np.abs(g).max()) for g in plain))
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "speed"])
+def test_a_watched_tensor_the_tape_did_not_record_is_a_leaf(strategy):
+    """Made under stop_recording() then watched: the plain tape stops there,
+    so memsave must not backpropagate through its unrecorded producer."""
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(4, 8))
+    w1 = tf.Variable(rng.randn(8, 8))
+    w2 = tf.Variable(rng.randn(8, 8))
+
+    def grads(tape):
+        with tape:
+            a = tf.matmul(x, w1)
+            with tape.stop_recording():
+                h = tf.tanh(a)
+            tape.watch(h)
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(h, w2)) ** 2) + tf.reduce_sum(tf.sin(a))
+        return tape.gradient(loss, [w1, w2, h])   # the leaf is a source too
+
+    @tf.function
+    def step():
+        return grads(tf.GradientTape()), grads(memsave.GradientTape(
+            checkpoints=strategy, min_checkpoint_size=0))
+
+    plain, ours = step()
+    assert_same(plain, ours, atol=1e-12)
+
+
+def test_a_routed_plain_tape_knows_its_leaves_too():
+    rng = np.random.RandomState(1)
+    x = tf.constant(rng.randn(4, 8))
+    w1 = tf.Variable(rng.randn(8, 8))
+    w2 = tf.Variable(rng.randn(8, 8))
+
+    def grads():
+        with tf.GradientTape() as tape:
+            a = tf.matmul(x, w1)
+            with tape.stop_recording():
+                h = tf.tanh(a)
+            tape.watch(h)
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(h, w2)) ** 2) + tf.reduce_sum(tf.sin(a))
+        return tape.gradient(loss, [w1, w2])
+
+    plain = tf.function(grads)()
+    with memsave.patch("optimal", tape=True, min_checkpoint_size=0):
+        ours = tf.function(grads)()
+    assert_same(plain, ours, atol=1e-12)

@@ -163,11 +163,12 @@ def fence(grad):
     data edges, so a kept Identity between segments rules out every such
     pattern, whatever the ops; Identity forwards its input's buffer.
     """
-    t = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-    out = _identity(t.graph, t, t.op.device, "memsave_fence/" + t.op.name, _PRESERVE)
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(out, grad.indices, grad.dense_shape)
-    return out
+        shape = grad.dense_shape
+        return tf.IndexedSlices(fence(grad.values), fence(grad.indices),
+                                fence(shape) if isinstance(shape, tf.Tensor) else shape)
+    return _identity(grad.graph, grad, grad.op.device, "memsave_fence/" + grad.op.name,
+                     _PRESERVE)
 
 
 def graph_tensor(x, graph):

@@ -21,6 +21,8 @@ does not carry (a graph imported from a ``GraphDef``) are rebuilt first, the
 way TensorFlow's own gradient would rebuild them.
 """
 
+import inspect
+
 import tensorflow as tf
 
 from memsave import tf_internal
@@ -40,6 +42,48 @@ BODIES = {
 
 def has_bodies(op):
     return op.type in BODIES
+
+
+def copyable(op):
+    """Whether :func:`copy_bodies` can copy ``op``'s bodies (nested ones included).
+
+    Bodies are rebuilt as new graphs of their own class. The bodies of a
+    gradient of a loop or cond (double backprop: a gradient penalty through
+    a ``tf.while_loop``) are TensorFlow's gradient graph classes, which are
+    built from the forward op and cannot be made that way; such an op is
+    kept in place instead (see :func:`memsave.graph.stateful.is_pinned`).
+    """
+    for py_attr in body_attrs(op):
+        body = getattr(op, py_attr, None)
+        if body is None:
+            continue   # rebuilt from the function library as a plain body
+        if not _constructible(type(body)):
+            return False
+        if not all(copyable(inner) for inner in body.get_operations() if has_bodies(inner)):
+            return False
+    return True
+
+
+def _constructible(cls):
+    """Whether ``cls(name, collections=None)`` builds a body (see clone_func_graph)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "collections" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def body_attrs(op):
+    """The names of the Python attributes that hold ``op``'s bodies (FuncGraphs)."""
+    _, attrs = BODIES[op.type]
+    out = []
+    for key, py_attr in attrs:
+        value = op.node_def.attr[key]
+        if value.HasField("func"):
+            out.append(py_attr)
+        else:
+            out.extend(py_attr % i for i in range(len(value.list.func)))
+    return out
 
 
 def _input_shapes(op, offset):

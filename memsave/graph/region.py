@@ -112,22 +112,42 @@ def analyze(ys, xs):
         if x.op in ops:
             force(x)
     for op in order:
-        if op not in pinned:
-            continue
-        for t in op.outputs:
-            force(t)
-        if has_gradient(op):
-            # Backprop runs through the original op, so its region inputs
-            # must be kept, and the backward walk must stop there: every
-            # input TF backpropagates through, a loop's TensorList (variant)
-            # as much as a float tensor.
-            for t in op.inputs:
-                if t.op in ops and carries_gradient(t):
-                    force(t)
+        if op in pinned:
+            for t in op.outputs:
+                force(t)
+    for op in in_place_closure([op for op in order if op in pinned and has_gradient(op)], ops):
+        # Backprop runs through the original op, so its region inputs
+        # must be kept, and the backward walk must stop there: every
+        # input TF backpropagates through, a loop's TensorList (variant)
+        # as much as a float tensor.
+        for t in op.inputs:
+            if t.op in ops and carries_gradient(t):
+                force(t)
     if pinned:
         logger.debug("memsave: %d op(s) are never recomputed: %s", len(pinned),
                      ", ".join(sorted(op.name for op in pinned))[:500])
     return Region(graph, list(ys), list(xs), order, ops, pinned, forced)
+
+
+def in_place_closure(in_place, region_ops):
+    """``in_place`` (ops differentiated where they are, never copied) and the
+    function calls in ``region_ops`` that feed them, transitively.
+
+    ``tf.gradients`` differentiates a function call even when its output is
+    in ``stop_gradients``: wherever an op is differentiated in place, a call
+    producing one of its inputs is differentiated in the same gradient call,
+    so it is in place there too. Returns them in the order found.
+    """
+    out, seen, stack = [], set(), list(in_place)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        out.append(op)
+        stack.extend(t.op for t in op.inputs
+                     if t.op in region_ops and tf_internal.is_function_call(t.op))
+    return out
 
 
 def num_elements(shape, unknown_dim=1):

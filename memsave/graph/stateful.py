@@ -9,6 +9,7 @@ costs memory, never correctness.
 """
 
 from memsave import tf_internal
+from memsave.graph import functions
 from memsave.graph.walk import forward_ops
 
 # Stateful ops that are safe to run again within the same step (inside a
@@ -53,27 +54,42 @@ def _find_function(graph, name):
     return None
 
 
-def _body_is_pinned(graph, names, seen):
+def function_nodes(graph, names, seen=None):
+    """The NodeDefs of the functions ``names`` and of every function they
+    call, bodies of nested control flow included. A call (or control-flow)
+    node is replaced by the nodes of what it runs; ``None`` stands for a
+    function that cannot be found (callers must then assume the worst)."""
+    seen = set() if seen is None else seen
     for name in names:
         if name in seen:
             continue
         seen.add(name)
         fn = _find_function(graph, name)
         if fn is None:
-            return True  # unknown body: be safe
+            yield None
+            continue
         fdef = fn.cached_definition if hasattr(fn, "cached_definition") else fn.definition
         for node in fdef.node_def:
-            if node.op in ALWAYS_PINNED:
-                return True
-            op_def = tf_internal.get_op_def(node.op)
-            if op_def is None:  # a call of a library function by name
-                if _body_is_pinned(graph, [node.op, *_function_names(node.attr)], seen):
-                    return True
+            if tf_internal.get_op_def(node.op) is None:   # a library function called by name
+                yield from function_nodes(graph, [node.op, *_function_names(node.attr)], seen)
             elif node.op in FUNCTION_CALLS:
-                if _body_is_pinned(graph, _function_names(node.attr), seen):
-                    return True
-            elif op_def.is_stateful and node.op not in RECOMPUTABLE_STATEFUL:
-                return True
+                yield from function_nodes(graph, _function_names(node.attr), seen)
+            else:
+                yield node
+
+
+def body_nodes(op):
+    """:func:`function_nodes` of every function ``op`` runs (its bodies, its callee)."""
+    return function_nodes(op.graph, _function_names(op.node_def.attr))
+
+
+def _body_is_pinned(graph, names):
+    for node in function_nodes(graph, names):
+        if node is None or node.op in ALWAYS_PINNED:
+            return True   # unknown body: be safe
+        op_def = tf_internal.get_op_def(node.op)
+        if op_def is not None and op_def.is_stateful and node.op not in RECOMPUTABLE_STATEFUL:
+            return True
     return False
 
 
@@ -103,7 +119,7 @@ def written_handles(graph, region_ops):
                 if consumer.type in _HANDLE_READERS:
                     continue
                 if consumer.type in FUNCTION_CALLS and not _body_is_pinned(
-                        graph, _function_names(consumer.node_def.attr), set()):
+                        graph, _function_names(consumer.node_def.attr)):
                     continue  # a body with only recomputable ops just reads
                 writers.setdefault(consumer, []).append(t.ref())
     if not writers:
@@ -140,11 +156,13 @@ def is_pinned(op, written=None):
         # use new weights. The forward read aliases the variable's buffer, so
         # keeping it costs no activation memory.
         return True
+    if functions.has_bodies(op) and not functions.copyable(op):
+        return True
     if op.type in FUNCTION_CALLS:
         written = written or {}
         if any(t.dtype.name == "resource"
                and written.get(t.ref(), -1) > tf_internal.op_id(op)
                for t in op.inputs):
             return True
-        return _body_is_pinned(op.graph, _function_names(op.node_def.attr), set())
+        return _body_is_pinned(op.graph, _function_names(op.node_def.attr))
     return op.op_def.is_stateful and op.type not in RECOMPUTABLE_STATEFUL

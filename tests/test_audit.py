@@ -1,0 +1,270 @@
+"""The gradient-coverage audit catches each known bug, re-introduced by mutation.
+
+Each test puts back one bug that memsave had (this issue's three classes
+and the earlier correctness fixes), shows that without the audit the
+result is silently wrong (or the graph cannot run), and that with the audit
+``memsave.gradients`` raises ``GradientMismatchError`` naming the edge or
+op. The audit itself is in :mod:`memsave.graph.audit`.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import api, rewrite, tape as tape_module
+from memsave.graph import edit, functions, region
+from tests.test_known_classes import (CONV_BIAS, KEPT_CALLS, KEPT_LOOPS,
+                                      POW_READS_OFFLOADED, _in_function, _in_session)
+
+
+def _without_audit(monkeypatch):
+    monkeypatch.setattr(api.audit, "check", lambda *args: None)
+
+
+def _wrong_or_fails(run):
+    """Without the audit: wrong gradients (relative error), or TensorFlow fails."""
+    try:
+        return run() > 1e-3
+    except tf.errors.OpError:
+        return True
+
+
+def _caught(run, match):
+    with pytest.raises(memsave.GradientMismatchError, match=match):
+        run()
+
+
+# ---------------------------------------------------------------- this issue's classes
+
+def _float_only(t):
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+def test_kept_loop_without_its_tensor_list_input(monkeypatch):
+    """A kept loop's TensorList (variant) input not forced: its gradient is lost."""
+    monkeypatch.setattr(region, "carries_gradient", _float_only)
+    case = KEPT_LOOPS["map_fn_dropout"]
+    _caught(lambda: _in_function(case, "list", None),
+            r"the gradient arriving at map/while .* is dropped")
+    _without_audit(monkeypatch)
+    assert _in_function(case, "list", None) > 0.1
+
+
+def _hiding_gates(real):
+    def segment_reads(copies, boundary, stop, read_as, region_ops):
+        visible = edit.Copies()
+        visible.of = copies.of
+        visible.made = [op for op in copies.made if op in set(copies.of.values())]
+        return real(visible, boundary, stop, read_as, region_ops)
+    return segment_reads
+
+
+def test_gate_hides_the_swap_in_it_reads(monkeypatch):
+    """What a segment reads derived from the copies only: a gated Pow's
+    offloaded input is not asked for."""
+    monkeypatch.setattr(rewrite, "_segment_reads", _hiding_gates(rewrite._segment_reads))
+    _caught(lambda: _in_session(POW_READS_OFFLOADED, "list", "auto"),
+            r"ReadVariableOp:0 -> matmul_1 \(input 1\) is dropped")
+    # Without the audit, here only the None guard refuses it (w1 has no other
+    # path); with another path to w1 the lost one went unnoticed.
+    _without_audit(monkeypatch)
+    _caught(lambda: _in_session(POW_READS_OFFLOADED, "list", "auto"), "None for")
+
+
+def test_segments_without_fences(monkeypatch):
+    """Gradient sums handed on unfenced: a fusion may close a cycle (oneDNN
+    does on float32 convolutions); the audit sees it in any dtype."""
+    monkeypatch.setattr(rewrite, "fence", lambda grad: grad)
+    _caught(lambda: _in_session(CONV_BIAS, "list", None), "without a fence")
+
+
+def test_kept_op_reading_a_call_output(monkeypatch):
+    """Found by the fuzzer: tf.gradients differentiates a function call even at
+    a stop, so a call feeding a kept op is differentiated in the kept op's
+    segment; asked for there as well, its gradient was counted twice."""
+    monkeypatch.setattr(region, "in_place_closure", lambda in_place, ops: list(in_place))
+    monkeypatch.setattr(rewrite, "in_place_closure", lambda in_place, ops: list(in_place))
+    case = KEPT_CALLS
+    _caught(lambda: _in_function(case, "optimal", None), "counted 2 times")
+    _without_audit(monkeypatch)
+    assert _wrong_or_fails(lambda: _in_function(case, "optimal", None))
+
+
+# ---------------------------------------------------------------- earlier fixes
+
+def _call_checkpoint_case():
+    """A checkpoint made by a tf.function call (see test_op_families)."""
+    rng = np.random.RandomState(3)
+    w = tf.Variable(rng.randn(8, 8) / 3)
+    x0 = rng.randn(4, 8)
+    inner = tf.function(lambda a: tf.tanh(a @ w) * 1.5)
+
+    def forward():
+        x = tf.constant(x0)
+        below = tf.tanh(x @ w)
+        h = inner(below)
+        top = tf.tanh(h @ w) * x
+        return tf.reduce_sum(top * top), [w], [h]
+    return forward
+
+
+def _run_function(forward, checkpoints):
+    @tf.function
+    def step():
+        loss, xs, listed = forward()
+        ours = memsave.gradients(loss, xs, min_checkpoint_size=0,
+                                 checkpoints=listed if checkpoints == "list" else checkpoints)
+        return tf.gradients(loss, xs), ours
+
+    plain, ours = step()
+    return max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(plain, ours))
+
+
+def test_call_output_read_without_a_shield(monkeypatch):
+    """tf.gradients differentiates a function call even when its output is a
+    stop: without the Identity shield, the call's inputs get its gradient twice."""
+    monkeypatch.setattr(rewrite, "_shields", lambda region_, checkpoints: {})
+    forward = _call_checkpoint_case()
+    _caught(lambda: _run_function(forward, "list"), "counted 2 times")
+    _without_audit(monkeypatch)
+    assert _wrong_or_fails(lambda: _run_function(forward, "list"))
+
+
+def test_control_flow_copied_without_its_bodies(monkeypatch):
+    """A While copied without deep copies of its bodies: TensorFlow's gradient
+    rebuilds them from the function library and loses the nested loop's
+    captured variable."""
+    monkeypatch.setattr(functions, "copy_bodies", lambda op, inputs, graph, create: ({}, {}))
+    from tests.test_op_families import WhileInWhile   # pylint: disable=import-outside-toplevel
+    family = WhileInWhile()
+
+    def run():
+        graph = tf.Graph()
+        with graph.as_default():
+            out = family.forward(family.variables())
+            memsave.gradients(out["ys"], out["xs"], checkpoints=out["checkpoints"])
+
+    _caught(run, "has no _body_graph")
+
+
+def test_recomputed_read_after_a_write(monkeypatch):
+    """In a tf.function, a cond reading a variable that the step writes after
+    it must be kept: its recomputation would read the new value."""
+    monkeypatch.setattr(region, "written_handles", lambda graph, ops: {})
+    from tests.test_updates_in_step import _write_after_read_step  # pylint: disable=import-outside-toplevel
+    rng = np.random.RandomState(0)
+    v = tf.Variable(np.full([64], 0.3, np.float32))
+    w = tf.Variable((rng.randn(64, 64) / 8).astype(np.float32))
+
+    def run(grad_fn):
+        v.assign(np.full([64], 0.3, np.float32))
+        step = tf.function(lambda: _write_after_read_step("cond", grad_fn, v, w))
+        return [t.numpy() for t in step()]
+
+    def ours(loss, xs, below):
+        return memsave.gradients(loss, xs, checkpoints=[below], min_checkpoint_size=0)
+
+    _caught(lambda: run(ours), r"cond.* is recomputed after .* may have written")
+    _without_audit(monkeypatch)
+    plain = run(lambda loss, xs, below: tf.gradients(loss, xs))
+    got = run(ours)
+    assert max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(plain, got)) > 1e-3
+
+
+def test_tape_asks_the_placeholder_of_a_nested_call_variable(monkeypatch):
+    """Keras runs a grouped Conv2D as a nested call, which the tape records on
+    the variable's own handle: asking the tape about the captured placeholder
+    instead routes the kernel to None."""
+    keras = pytest.importorskip("keras")
+
+    def placeholders(tape, flat_raw, flat_xs):
+        return tape_module._tracked(tape, [x for x in flat_xs if x is not None])
+
+    monkeypatch.setattr(tape_module, "_sources_tracked", placeholders)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((12, 12, 8)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(16, 3, groups=4, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+    x = tf.constant(np.random.RandomState(0).randn(4, 12, 12, 8).astype(np.float32))
+
+    @tf.function
+    def step():
+        with memsave.GradientTape(checkpoints="optimal", min_checkpoint_size=0) as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    _caught(step, "the tape recorded .* reading the variable")
+
+
+# ---------------------------------------------------------------- the running sums
+
+def _residual_case():
+    """Checkpoints whose gradient comes from two segments (a skip)."""
+    rng = np.random.RandomState(6)
+    ws = [tf.Variable(rng.randn(8, 8) / 3) for _ in range(4)]
+    x = tf.constant(rng.randn(4, 8))
+    hs = [tf.tanh(x @ ws[0])]
+    hs.append(tf.tanh(hs[0] @ ws[1]))
+    hs.append(tf.tanh(hs[1] @ ws[2]) + hs[0])
+    loss = tf.reduce_sum(tf.tanh(hs[2] @ ws[3]) ** 2)
+    return loss, ws, [hs[0], hs[1], hs[2]]
+
+
+def _session_worst(build):
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws, listed = build()
+        ours = memsave.gradients(loss, ws, checkpoints=listed, min_checkpoint_size=0)
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b = sess.run([plain, ours])
+    return max(float(np.abs(p - q).max() / np.abs(p).max()) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("mutation,match", [
+    ("first_only", "is dropped"),
+    ("twice", "already summed"),
+])
+def test_running_sums(monkeypatch, mutation, match):
+    """A running sum that keeps only its first partial, or adds each twice."""
+    real = rewrite._Accumulator.add
+
+    def add(self, t, grad):
+        if mutation == "first_only" and self.total(t) is not None:
+            return None
+        real(self, t, grad)
+        if mutation == "twice":
+            real(self, t, grad)
+        return None
+
+    monkeypatch.setattr(rewrite._Accumulator, "add", add)
+    _caught(lambda: _session_worst(_residual_case), match)
+    _without_audit(monkeypatch)
+    assert _session_worst(_residual_case) > 1e-3
+
+
+def _shared_weight_case():
+    """One weight in every layer: a segment asks for it and for a checkpoint
+    that depends on it, so only the stop holds backprop at the checkpoint."""
+    rng = np.random.RandomState(7)
+    w = tf.Variable(rng.randn(8, 8) / 3)
+    h = tf.constant(rng.randn(4, 8))
+    hs = []
+    for _ in range(4):
+        h = tf.tanh(h @ w)
+        hs.append(h)
+    return tf.reduce_sum(h ** 2), [w], hs[1:3]
+
+
+def test_segment_forgets_its_stops(monkeypatch):
+    """A segment whose tf.gradients call does not stop at the checkpoints it
+    reads differentiates the forward pass below them a second time."""
+    monkeypatch.setattr(rewrite, "_segment_stops",
+                        lambda read_cp, user_stops, copies: [copies.output(t) for t in user_stops])
+    _caught(lambda: _session_worst(_shared_weight_case), "counted 2 times")
+    _without_audit(monkeypatch)
+    assert _session_worst(_shared_weight_case) > 1e-3

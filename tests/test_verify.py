@@ -1,0 +1,202 @@
+"""``verify=``: plain backprop on the first step, compared with memsave's.
+
+A wrong gradient the static audit cannot see (here: memsave's result scaled
+by 1.5, with the audit switched off) must fail the first step and name the
+variable; a right one must pass, and later steps must not pay for the check.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+import memsave.keras
+from memsave import api, verify
+
+
+@pytest.fixture
+def scaled(monkeypatch):
+    """memsave's gradients come out 1.5 times too large (a bug the audit misses)."""
+    real = api.rewrite
+
+    def wrong(*args, **kwargs):
+        return [None if g is None else g * 1.5 for g in real(*args, **kwargs)]
+
+    monkeypatch.setattr(api, "rewrite", wrong)
+    monkeypatch.setattr(api.audit, "check", lambda *args: None)
+
+
+def _chain(graph=None, n=4, dtype=np.float64):
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable((rng.randn(8, 8) / 3).astype(dtype), name="w%d" % i) for i in range(n)]
+    h = tf.constant(rng.randn(4, 8).astype(dtype))
+    for w in ws:
+        h = tf.tanh(h @ w)
+    return tf.reduce_sum(h * h), ws
+
+
+def test_session_first_run_checks_and_later_runs_pass():
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws = _chain()
+        grads = memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0,
+                                  verify=True)
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(2):
+                ours, want = sess.run([grads, plain])
+                for a, b in zip(ours, want):
+                    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_session_mismatch_fails_the_first_run(scaled):
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws = _chain()
+        grads = memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0,
+                                  verify=True)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError, match=verify.MARKER) as e:
+                sess.run(grads)
+    assert "w" in str(e.value) and "worst variable" in str(e.value)
+
+
+def test_tape_in_tf_function(scaled):
+    loss_ws = {}
+
+    @tf.function
+    def step():
+        if "ws" not in loss_ws:
+            loss_ws["ws"] = None
+        with memsave.GradientTape(checkpoints="memory", min_checkpoint_size=0,
+                                  verify=True) as tape:
+            loss, _ = _chain_in_function(ws)
+        return tape.gradient(loss, ws)
+
+    ws = [tf.Variable((np.random.RandomState(i).randn(8, 8) / 3), name="v%d" % i)
+          for i in range(4)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="worst variable"):
+        step()
+
+
+def _chain_in_function(ws):
+    h = tf.constant(np.random.RandomState(9).randn(4, 8))
+    for w in ws:
+        h = tf.tanh(h @ w)
+    return tf.reduce_sum(h * h), ws
+
+
+def test_tape_passes_when_right():
+    ws = [tf.Variable((np.random.RandomState(i).randn(8, 8) / 3)) for i in range(4)]
+
+    @tf.function
+    def step():
+        with memsave.GradientTape(checkpoints="memory", min_checkpoint_size=0,
+                                  verify=True) as tape:
+            loss, _ = _chain_in_function(ws)
+        with tf.GradientTape() as plain:
+            loss2, _ = _chain_in_function(ws)
+        return tape.gradient(loss, ws), plain.gradient(loss2, ws)
+
+    for _ in range(2):
+        ours, want = step()
+        for a, b in zip(ours, want):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12)
+
+
+def test_keras_fit_raises_gradient_mismatch(scaled):
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    memsave.keras.enable(model, "memory", min_checkpoint_size=0, verify=True)
+    x = np.random.RandomState(0).randn(16, 8).astype("float32")
+    with pytest.raises(memsave.GradientMismatchError, match="worst variable"):
+        model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("bad", ["yes", 0, -1e-3, [1]])
+def test_bad_values_are_refused_at_call_time(bad):
+    with pytest.raises(ValueError, match="verify"):
+        memsave.GradientTape(verify=bad)
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, ws = _chain()
+        with pytest.raises(ValueError, match="verify"):
+            memsave.gradients(loss, ws, checkpoints="memory", verify=bad)
+
+
+def test_default_tolerance_follows_the_dtype():
+    assert verify.tolerance(True, [tf.zeros([2], tf.float64)]) == 1e-7
+    assert verify.tolerance(True, [tf.zeros([2], tf.float32), tf.zeros([2], tf.float64)]) == 1e-3
+    assert verify.tolerance(1e-5, []) == 1e-5
+    assert verify.tolerance(False, []) is None
+
+
+_MEMORY = textwrap.dedent("""
+    import os, numpy as np, tensorflow as tf, memsave
+    from memsave.profile import peak_memory
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable((rng.randn(256, 256) / 16).astype(np.float32)) for _ in range(16)]
+    x = tf.constant(rng.randn(512, 256).astype(np.float32))
+
+    def make(**kw):
+        @tf.function
+        def step():
+            with memsave.GradientTape(checkpoints="optimal", **kw) as tape:
+                h = x
+                for w in ws:
+                    h = tf.tanh(h @ w)
+                loss = tf.reduce_sum(h * h)
+            return [tf.reduce_sum(g) for g in tape.gradient(loss, ws)]
+        return step
+
+    plain = peak_memory(make(), warmup=2)
+    checked = make(verify=True)
+    first = peak_memory(checked, warmup=0)
+    later = peak_memory(checked, warmup=1)
+    print("RESULT", plain, first, later)
+
+    values, x_value = [w.numpy() for w in ws], x.numpy()
+
+    def session_peaks(**kw):
+        graph = tf.Graph()
+        with graph.as_default():
+            vs = [tf.Variable(v) for v in values]
+            h = tf.constant(x_value)
+            for v in vs:
+                h = tf.tanh(h @ v)
+            grads = memsave.gradients(tf.reduce_sum(h * h), vs, checkpoints="optimal", **kw)
+            out = tf.add_n([tf.reduce_sum(g) for g in grads])
+            config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+            with tf.compat.v1.Session(config=config) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                run = lambda: sess.run(out)  # noqa: E731
+                return peak_memory(run, warmup=0), peak_memory(run, warmup=1)
+
+    print("SESSION", session_peaks()[1], *session_peaks(verify=True))
+""")
+
+
+@pytest.mark.heavy
+def test_later_steps_hold_nothing_for_the_check():
+    """Steps after the first measure the same peak as without verify (the
+    cond's branch reads forward tensors through Switch ops that drop them)."""
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    out = subprocess.run([sys.executable, "-c", _MEMORY], capture_output=True, text=True,
+                         env=env, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for tag in ("RESULT", "SESSION"):
+        line = out.stdout.split(tag)[1].split("\n")[0]
+        plain, first, later = map(int, line.split())
+        assert later <= 1.1 * plain, (tag, plain, first, later)
+        assert first > 1.3 * plain, (tag, plain, first, later)   # plain backprop ran once
