@@ -11,9 +11,12 @@ Checkpoints are disconnected by passing them to ``tf.gradients`` as
 ``stop_gradients``: backprop through a copy stops at the checkpoint it reads,
 exactly as if it read ``tf.stop_gradient(checkpoint)``, but no extra op is
 added and ops that must not be copied (stateful random ops) are handled the
-same way. Every copied op waits (control inputs) for all gradients of the
-segment processed before it, so recomputation happens just in time and
-Grappler cannot merge the copies back into the forward pass.
+same way. The running sums a segment hands on go through fences
+(:func:`memsave.graph.edit.fence`), and every copied op of the next segment
+waits (control inputs) for them, so recomputation happens just in time,
+Grappler cannot merge the copies back into the forward pass, and no fusion
+spans two segments. What is built is recorded for the audit
+(:mod:`memsave.graph.audit`).
 """
 
 import dataclasses
@@ -24,7 +27,6 @@ import toposort
 
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, optable
-from memsave.graph import audit
 from memsave.graph.edit import fence
 from memsave.graph.region import in_place_closure
 from memsave.graph.schedule import reducers_first
@@ -236,8 +238,8 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
         if not targets:
             return []
         stops = _segment_stops(read_cp, user_stops, copies)
-        before = len(region.graph.get_operations())
-        start = audit.next_op_id(region.graph)
+        existing = region.graph.get_operations()
+        before, start = len(existing), tf_internal.op_id(existing[-1]) + 1
         boundary_copies = [copies.output(t) for t in boundary]
         grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=name,
                                     stop_gradients=stops, **grad_kwargs)

@@ -413,29 +413,19 @@ def test_random_dags_tf_function():
 
 
 @pytest.mark.heavy
-def test_weak_spots_session():
+@pytest.mark.parametrize("mode", ["session", "tf_function"])
+def test_weak_spots(mode):
     """Loops (stateful ones too, and ones reading a variable written later),
     conds, nested calls, custom gradients, Pow/GELU and float32 conv + bias:
     every strategy, with and without offloading, and a budget."""
     stats = collections.Counter()
+    run, examples, max_ops = ((run_session_example, N_WEAK, 24) if mode == "session"
+                              else (run_function_example, N_WEAK_FUNCTION, 16))
 
-    @settings(parent=PROFILE, max_examples=N_WEAK)
-    @given(spec=graphgen.specs(min_ops=4, max_ops=24, weak_spots=True))
+    @settings(parent=PROFILE, max_examples=examples)
+    @given(spec=graphgen.specs(min_ops=4, max_ops=max_ops, weak_spots=True))
     def check(spec):
-        run_session_example(spec, stats, CONFIGS, oracle=False)
-
-    check()
-    _minority(stats)
-
-
-@pytest.mark.heavy
-def test_weak_spots_tf_function():
-    stats = collections.Counter()
-
-    @settings(parent=PROFILE, max_examples=N_WEAK_FUNCTION)
-    @given(spec=graphgen.specs(min_ops=4, max_ops=16, weak_spots=True))
-    def check(spec):
-        run_function_example(spec, stats, CONFIGS, oracle=False)
+        run(spec, stats, CONFIGS, oracle=False)
 
     check()
     _minority(stats)

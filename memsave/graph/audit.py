@@ -102,7 +102,8 @@ class Ledger:
         before any gradient rewrites a control-flow body."""
         for original, copy in copies.of.items():
             self.copy_of[copy] = original
-        self.through.update(op for op in copies.made if op not in self.copy_of)
+        # The gates some copies read through.
+        self.inserted([op.outputs[0] for op in copies.made if op not in self.copy_of])
         for original, copy in copies.of.items():
             self.problems.extend(_fidelity(original, copy, self))
 
@@ -276,6 +277,24 @@ def check(ledger, region, results, user_stops):
     computes ``tf.gradients(region.ys, region.xs)``' gradients ``results``."""
     problems = list(ledger.problems)
     plain = _Flow(region.ys, region.xs, user_stops, ledger.first_new)
+    accounts = _Accounts()
+    outputs = {}
+    for call in ledger.calls:
+        _account_call(call, ledger, accounts, outputs, problems)
+    problems.extend(_paths_counted_once(plain, region, results, ledger, accounts, outputs))
+    problems.extend(_recomputed_values_may_differ(ledger, region))
+    problems.extend(_unfenced_reads(ledger))
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise GradientMismatchError(
+            "memsave: the rewritten backward pass would not compute tf.gradients' gradients "
+            "(%d problem(s)): %s. This is a memsave bug: use tf.gradients for this graph and "
+            "please report it." % (len(unique), "; ".join(unique[:8])))
+
+
+def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
+    """The problems with how the calls' arrivals add up (see the module docstring)."""
+    problems = []
     live_in = collections.defaultdict(set)
     live_out = collections.defaultdict(list)    # tensor ref -> [(edge, consumer op)]
     for t, op, i in plain.edges:
@@ -285,17 +304,14 @@ def check(ledger, region, results, user_stops):
         if seeded:
             live_out[y.ref()].append(((_SEED, y.name), None))
 
-    accounts = _Accounts()
-    outputs = {}
-    for call in ledger.calls:
-        _account_call(call, ledger, accounts, outputs, problems)
-
-    # Every differentiation of each original op, and what reached it.
-    differentiations = collections.defaultdict(list)
+    # Every differentiation of each original op, and arrivals that went nowhere.
+    differentiations, stuck = collections.defaultdict(list), collections.defaultdict(list)
     for (call, image), arrived in accounts.consumed.items():
         original = ledger.original_op(image)
-        if original is not None and image in call.sending and arrived:
-            differentiations[original].append((call, image, arrived))
+        if original is None or not arrived:
+            continue
+        (differentiations if image in call.sending else stuck)[original].append(
+            (call, image, arrived))
 
     def expected(tensors):
         tokens = collections.Counter()
@@ -317,10 +333,8 @@ def check(ledger, region, results, user_stops):
             problems.extend("gradient flows along %s, where tf.gradients sends none (segment %d)"
                             % (_edge_name(op, i), call.index)
                             for i in sorted(sent - live_in[op]))
-        for (call, image), arrived in accounts.consumed.items():
-            if arrived and image not in call.sending and ledger.original_op(image) is op:
-                problems.append("the gradient reaching %s in segment %d goes no further"
-                                % (op.name, call.index))
+        problems.extend("the gradient reaching %s in segment %d goes no further"
+                        % (op.name, call.index) for call, _, _ in stuck.get(op, ()))
         problems.extend(_compare(expected(op.outputs), got, op.name))
 
     for x, result in zip(region.xs, results):
@@ -329,15 +343,7 @@ def check(ledger, region, results, user_stops):
             got.update(accounts.carried.get(leaf, {}) if leaf[0] != _SEED
                        else {((_SEED, leaf[1]), None): 1})
         problems.extend(_compare(expected([x]), got, "the result for x " + x.name))
-
-    problems.extend(_recomputed_values_may_differ(ledger, region))
-    problems.extend(_unfenced_reads(ledger))
-    if problems:
-        unique = list(dict.fromkeys(problems))
-        raise GradientMismatchError(
-            "memsave: the rewritten backward pass would not compute tf.gradients' gradients "
-            "(%d problem(s)): %s. This is a memsave bug: use tf.gradients for this graph and "
-            "please report it." % (len(unique), "; ".join(unique[:8])))
+    return problems
 
 
 def _compare(expected, got, where):

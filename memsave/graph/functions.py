@@ -73,17 +73,22 @@ def _constructible(cls):
     return "collections" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def body_attrs(op):
-    """The names of the Python attributes that hold ``op``'s bodies (FuncGraphs)."""
+def _body_slots(op):
+    """``[(attr key, position in a list attr or None, Python attr, function name)]``."""
     _, attrs = BODIES[op.type]
     out = []
     for key, py_attr in attrs:
         value = op.node_def.attr[key]
         if value.HasField("func"):
-            out.append(py_attr)
+            out.append((key, None, py_attr, value.func.name))
         else:
-            out.extend(py_attr % i for i in range(len(value.list.func)))
+            out.extend((key, i, py_attr % i, f.name) for i, f in enumerate(value.list.func))
     return out
+
+
+def body_attrs(op):
+    """The names of the Python attributes that hold ``op``'s bodies (FuncGraphs)."""
+    return [py_attr for _, _, py_attr, _ in _body_slots(op)]
 
 
 def _input_shapes(op, offset):
@@ -105,18 +110,9 @@ def _source_body(op, attr_name, offset, func_name):
 
 def _bodies_of(op):
     """``[(attr key, position in a list attr or None, Python attr, source FuncGraph)]``."""
-    offset, attrs = BODIES[op.type]
-    out = []
-    for key, py_attr in attrs:
-        value = op.node_def.attr[key]
-        if value.HasField("func"):
-            out.append((key, None, py_attr,
-                        _source_body(op, py_attr, offset, value.func.name)))
-        else:
-            for i, f in enumerate(value.list.func):
-                name = py_attr % i
-                out.append((key, i, name, _source_body(op, name, offset, f.name)))
-    return out
+    offset, _ = BODIES[op.type]
+    return [(key, position, py_attr, _source_body(op, py_attr, offset, name))
+            for key, position, py_attr, name in _body_slots(op)]
 
 
 def copy_bodies(op, inputs, outer_graph, create_op):
