@@ -369,7 +369,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
         _check_none_pattern(ys, xs, grads, grad_ys, name, tf_gradients_kwargs)
         tol = verify_module.tolerance(verify, grads)
         if tol is not None:
-            grads = verify_module.on_first_step(ys, xs, grad_ys, grads, tol,
+            grads = verify_module.on_first_step(region, grad_ys, grads, tol,
                                                 tf_gradients_kwargs, name)
         return grads
 

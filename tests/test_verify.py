@@ -111,6 +111,28 @@ def test_tape_passes_when_right():
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12)
 
 
+def test_kept_loop_is_read_not_run_again(caplog):
+    """A loop with a stateful body cannot run again: the check reads its
+    outputs (and its gradient's tensors), and still passes when right."""
+    rng = np.random.RandomState(3)
+    ws = [tf.Variable(rng.randn(8, 8) / 3) for _ in range(2)]
+    x = tf.constant(rng.randn(6, 8))
+
+    @tf.function
+    def step():
+        with memsave.GradientTape(checkpoints="optimal", min_checkpoint_size=0,
+                                  verify=True) as tape:
+            h = tf.tanh(x @ ws[0])
+            m = tf.map_fn(lambda r: tf.nn.dropout(r, 0.5), h) + h
+            loss = tf.reduce_sum(tf.tanh(m @ ws[1]) ** 2)
+        return tape.gradient(loss, ws)
+
+    with caplog.at_level("INFO", logger="memsave"):
+        for _ in range(2):
+            assert all(np.all(np.isfinite(g.numpy())) for g in step())
+    assert "reads the forward pass's tensors" in caplog.text
+
+
 def test_keras_fit_raises_gradient_mismatch(scaled):
     keras = pytest.importorskip("keras")
     keras.utils.set_random_seed(0)
@@ -135,8 +157,8 @@ def test_bad_values_are_refused_at_call_time(bad):
 
 
 def test_default_tolerance_follows_the_dtype():
-    assert verify.tolerance(True, [tf.zeros([2], tf.float64)]) == 1e-7
-    assert verify.tolerance(True, [tf.zeros([2], tf.float32), tf.zeros([2], tf.float64)]) == 1e-3
+    assert verify.tolerance(True, [tf.zeros([2], tf.float64)]) == 1e-6
+    assert verify.tolerance(True, [tf.zeros([2], tf.float32), tf.zeros([2], tf.float64)]) == 5e-2
     assert verify.tolerance(1e-5, []) == 1e-5
     assert verify.tolerance(False, []) is None
 
