@@ -244,10 +244,11 @@ def test_mechanism_gives_plain_gradients(case, strategy, offload, mode):
     assert RUNNERS[mode](MECHANISMS[case], strategy, offload) <= 1e-9
 
 
+@pytest.mark.parametrize("offload", OFFLOAD)
 @pytest.mark.parametrize("checkpoints", ["optimal", "speed", "memory"])
-def test_gradient_penalty_through_an_offloading_tape(checkpoints):
+def test_gradient_penalty_through_an_offloading_tape(checkpoints, offload):
     """A gradient penalty (the inner gradient on a plain tape, differentiated
-    again by memsave's) with ``offload='auto'``."""
+    again by memsave's), with and without ``offload='auto'``."""
     rng = np.random.RandomState(5)
     ws = [tf.Variable(rng.randn(8, 8) / 3) for _ in range(3)]
     x = tf.constant(rng.randn(6, 8))
@@ -266,7 +267,7 @@ def test_gradient_penalty_through_an_offloading_tape(checkpoints):
 
     @tf.function
     def both():
-        ours = step(lambda: memsave.GradientTape(checkpoints=checkpoints, offload="auto",
+        ours = step(lambda: memsave.GradientTape(checkpoints=checkpoints, offload=offload,
                                                  min_checkpoint_size=0))
         return step(tf.GradientTape), ours
 
@@ -281,14 +282,15 @@ def test_gradient_penalty_through_an_offloading_tape(checkpoints):
 # ---------------------------------------------------------------- the same, through Keras fit
 
 def _keras_fit(build, checkpoints, dtype="float32", policy=None, samples=8, batch=4, **options):
-    """The gradients of one epoch of ``fit``, summed per weight (plain if not checkpoints)."""
+    """The gradients of one epoch of ``fit``, summed per weight (plain if not checkpoints).
+
+    Layers compute in ``dtype``, or under the Keras dtype ``policy`` if given."""
     keras = pytest.importorskip("keras")
-    from tests.keras_helpers import GradientSum   # pylint: disable=import-outside-toplevel
-    floatx, old_policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx(dtype)
-    if policy:
-        keras.config.set_dtype_policy(policy)
-    try:
+    from benchmarks.zoo_models import dtype_scope   # pylint: disable=import-outside-toplevel
+    from tests.keras_helpers import GradientSum     # pylint: disable=import-outside-toplevel
+    with dtype_scope(dtype):
+        if policy:
+            keras.config.set_dtype_policy(policy)
         keras.utils.set_random_seed(7)
         model, x, y = build(keras, samples)
         model.compile(optimizer=GradientSum(), loss="mse", jit_compile=False)
@@ -297,9 +299,6 @@ def _keras_fit(build, checkpoints, dtype="float32", policy=None, samples=8, batc
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
         model.fit(data, epochs=1, shuffle=False, verbose=0)
         return [v.numpy() for v in model.optimizer.sums]
-    finally:
-        keras.config.set_floatx(floatx)
-        keras.config.set_dtype_policy(old_policy)
 
 
 def _conv_bn(keras, samples):
@@ -344,35 +343,54 @@ def _rnn_dropout_cell(skip):
     return build
 
 
+KERAS_STRATEGIES = ("optimal", "memory", "speed")   # what fit takes (no tensor lists)
+
+
+def _keras_or_no_bottleneck(build, checkpoints, **kwargs):
+    try:
+        return _keras_fit(build, checkpoints, **kwargs)
+    except memsave.NoBottleneckError:
+        assert checkpoints == "memory"   # documented, on graphs without a bottleneck
+        return None
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("checkpoints", ["speed", "optimal"])
-def test_keras_conv_bn_fit_float32(checkpoints):
+@pytest.mark.parametrize("offload", OFFLOAD)
+@pytest.mark.parametrize("checkpoints", KERAS_STRATEGIES)
+def test_keras_conv_bn_fit_float32(checkpoints, offload):
     """Conv + BatchNormalization in float32, where oneDNN fuses."""
     plain = _keras_fit(_conv_bn, None)
-    ours = _keras_fit(_conv_bn, checkpoints)
-    assert _worst(plain, ours) <= 1e-4   # float32, and batch norm over 4 x 12 x 12
+    ours = _keras_or_no_bottleneck(_conv_bn, checkpoints, offload=offload)
+    if ours is not None:
+        assert _worst(plain, ours) <= 1e-4   # float32, and batch norm over 4 x 12 x 12
 
 
 @pytest.mark.heavy
-def test_keras_conv_bn_mixed_bfloat16_with_offload():
+@pytest.mark.parametrize("checkpoints", KERAS_STRATEGIES)
+def test_keras_conv_bn_mixed_bfloat16_with_offload(checkpoints):
     """``mixed_bfloat16`` Conv + BN with ``offload='auto'`` runs, and agrees with
     plain fit to bfloat16's precision."""
     plain = _keras_fit(_conv_bn, None, policy="mixed_bfloat16")
-    ours = _keras_fit(_conv_bn, "optimal", policy="mixed_bfloat16", offload="auto")
-    assert all(np.all(np.isfinite(g)) for g in ours)
-    assert _worst(plain, ours) <= 3e-2
+    ours = _keras_or_no_bottleneck(_conv_bn, checkpoints, policy="mixed_bfloat16",
+                                   offload="auto")
+    if ours is not None:
+        assert all(np.all(np.isfinite(g)) for g in ours)
+        # bfloat16 keeps 8 bits of mantissa; batch norm amplifies the rounding.
+        assert _worst(plain, ours) <= 0.15
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("offload", OFFLOAD)
 @pytest.mark.parametrize("skip", [True, False], ids=["skip", "no_skip"])
-@pytest.mark.parametrize("checkpoints", ["optimal", "speed"])
-def test_keras_rnn_with_dropout_in_its_cell(checkpoints, skip):
+@pytest.mark.parametrize("checkpoints", KERAS_STRATEGIES)
+def test_keras_rnn_with_dropout_in_its_cell(checkpoints, skip, offload):
     """A keras.layers.RNN whose cell applies Dropout in call(): the loop is
     stateful, so memsave keeps it and differentiates it in place."""
     build = _rnn_dropout_cell(skip)
     plain = _keras_fit(build, None, dtype="float64")
-    ours = _keras_fit(build, checkpoints, dtype="float64")
-    assert _worst(plain, ours) <= 1e-9
+    ours = _keras_or_no_bottleneck(build, checkpoints, dtype="float64", offload=offload)
+    if ours is not None:
+        assert _worst(plain, ours) <= 1e-9
 
 
 # ---------------------------------------------------------------- found by a helper trying to break memsave
