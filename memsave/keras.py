@@ -109,10 +109,8 @@ def _remembering_batch(model, method, batch_of):
         state = model.__dict__.get(_ATTR)
         if state is not None:
             state["data_batch"] = batch_of(*args, **kwargs)
-        try:
+        with verify.mismatch_raised():
             return method(*args, **kwargs)
-        except tf.errors.InvalidArgumentError as e:
-            verify.raise_mismatch(e)
     return wrapper
 
 
@@ -212,17 +210,13 @@ class MemorySavingModel:
 
     def fit(self, *args, **kwargs):
         self._memsave_data_batch = _fit_batch(*args, **kwargs)
-        try:
+        with verify.mismatch_raised():
             return super().fit(*args, **kwargs)
-        except tf.errors.InvalidArgumentError as e:
-            verify.raise_mismatch(e)
 
     def train_on_batch(self, *args, **kwargs):
         self._memsave_data_batch = _train_on_batch_batch(*args, **kwargs)
-        try:
+        with verify.mismatch_raised():
             return super().train_on_batch(*args, **kwargs)
-        except tf.errors.InvalidArgumentError as e:
-            verify.raise_mismatch(e)
 
     def train_step(self, data):
         _check_backend()

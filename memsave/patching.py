@@ -11,7 +11,8 @@ very same original objects come back):
   :func:`memsave.gradients`;
 * ``tf.GradientTape.gradient``, routed to :func:`memsave.tape.tape_gradient`
   (``jacobian``/``batch_jacobian`` are wrapped so their per-row gradients
-  stay TensorFlow's, see :func:`memsave.tape.bypass`).
+  stay TensorFlow's, see :func:`memsave.tape.bypass`; ``watch`` notes the
+  tensors that are leaves for the tape, see :func:`memsave.tape.note_watch`).
 
 :func:`patch` pushes a level (strategy, options, whether tapes are routed
 and with which :class:`~memsave.options.Config`) on a process-wide stack;

@@ -295,7 +295,9 @@ def note_watch(tape, tensor):
                 and not tf_internal.should_record_backprop([t])):
             if not hasattr(tape, _LEAVES):
                 setattr(tape, _LEAVES, [])
-            getattr(tape, _LEAVES).append(t)
+            leaves = getattr(tape, _LEAVES)
+            if not any(t is leaf for leaf in leaves):
+                leaves.append(t)
 
 
 def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):

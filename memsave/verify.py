@@ -24,6 +24,7 @@ difference; ``memsave.keras`` turns it into
 :class:`memsave.errors.GradientMismatchError`.
 """
 
+import contextlib
 import uuid
 
 import tensorflow as tf
@@ -215,10 +216,14 @@ def _first_step_flag(graph):
                                                         value=tf.constant(False))
 
 
-def raise_mismatch(error):
-    """Re-raise a failed first-step check (a TF error) as GradientMismatchError."""
-    message = getattr(error, "message", str(error))
-    start = message.find(MARKER)
-    if start < 0:
-        raise error
-    raise GradientMismatchError(message[start:].split("\n")[0].split(" [[")[0]) from error
+@contextlib.contextmanager
+def mismatch_raised():
+    """Within the block, a failed first-step check (a TF error) is a GradientMismatchError."""
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as error:
+        start = error.message.find(MARKER)
+        if start < 0:
+            raise
+        raise GradientMismatchError(
+            error.message[start:].split("\n")[0].split(" [[")[0]) from error
