@@ -9,7 +9,7 @@ STAMP := $(VENV)/.memsave-installed
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[cpu,test,bench]"
+	$(PY) -m pip install -q -e ".[cpu,test,bench,xla]"
 	$(PY) -m pip install -q --no-deps keras-hub==0.32.0
 	touch $(STAMP)
 
@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.rewrite_speed
 	$(PY) -m benchmarks.plan_speed
 	$(PY) -m benchmarks.reversible
+	$(PY) -m benchmarks.xla
 	$(PY) examples/unet.py
 	$(PY) examples/keras_fit.py
 

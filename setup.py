@@ -28,6 +28,10 @@ setup(
                  "absl-py", "packaging", "regex", "rich", "kagglehub",
                  "kagglesdk==0.1.28", "tokenizers", "sentencepiece"],
         "bench": ["matplotlib>=3.7"],
+        # XLA's GPU compiler without a GPU (benchmarks/xla_gpu.py): buffer
+        # assignment for an H100 on any machine. No CUDA libraries needed.
+        "xla": ["jax==0.10.2", "jaxlib==0.10.2", "jax-cuda12-plugin==0.10.2",
+                "jax-cuda12-pjrt==0.10.2"],
     },
     classifiers=[
         "License :: OSI Approved :: MIT License",

@@ -284,8 +284,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
               budget=None, max_recompute=None, batch_size=None, shapes=None, offload=None,
               swapin_ahead=1, swapin_groupby=5,
               host_device="/device:CPU:0", host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-              device_flops=DEFAULT_DEVICE_FLOPS, fallback=None, verify=None, name="gradients",
-              **tf_gradients_kwargs):
+              device_flops=DEFAULT_DEVICE_FLOPS, fallback=None, verify=None, xla=None,
+              name="gradients", **tf_gradients_kwargs):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
     ``checkpoints`` is 'optimal', 'memory', 'speed', 'collection' (tensors
@@ -320,6 +320,15 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     than the tolerance relative to the largest entry (see
     :mod:`memsave.verify`); later runs cost nothing extra.
 
+    ``xla`` says whether XLA compiles the step: None (the default) tells
+    from the trace (``tf.function(jit_compile=True)``, Keras
+    ``jit_compile=True``). Under XLA each recomputed segment reads its
+    inputs through an optimization barrier, as ``jax.checkpoint`` does, so
+    that XLA neither merges the recomputation back into the forward pass
+    nor runs it early; the barrier has no kernel outside XLA. Offloading
+    needs host memory, which a compiled step cannot address: ``offload=``
+    a list is refused and 'auto' plans without it.
+
     Further keyword arguments (``gate_gradients``, ``aggregation_method``,
     ``stop_gradients``, ``unconnected_gradients``,
     ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
@@ -331,6 +340,10 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
     verify_module.check_option(verify)
+    compiled = compiled_by_xla(xla, graph)
+    if compiled:
+        offload = _offload_under_xla(offload)
+        _refuse_verify_under_xla(verify)
     with graph.as_default():
         xs = _resolve_xs(xs, graph)
         grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
@@ -364,7 +377,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
             _say_if_offloading_is_a_no_op(swap)
         ledger = audit.Ledger(graph)
         grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,
-                        **tf_gradients_kwargs)
+                        barriers=compiled, **tf_gradients_kwargs)
         audit.check(ledger, region, grads, tf_gradients_kwargs.get("stop_gradients") or [])
         _check_none_pattern(ys, xs, grads, grad_ys, name, tf_gradients_kwargs)
         tol = verify_module.tolerance(verify, grads)
@@ -372,6 +385,41 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
             grads = verify_module.on_first_step(region, grad_ys, grads, tol,
                                                 tf_gradients_kwargs, name)
         return grads
+
+
+def check_xla(xla):
+    """Raise unless ``xla`` is None (tell from the trace), True or False."""
+    if xla is not None and not isinstance(xla, bool):
+        raise TypeError("xla must be None (tell from the trace), True or False, got %r"
+                        % (xla,))
+
+
+def compiled_by_xla(xla, graph):
+    """Whether XLA compiles the step being built in ``graph`` (``xla`` overrides)."""
+    check_xla(xla)
+    if xla is None:
+        return bool(tf_internal.graph_compiled_by_xla(graph))
+    return xla
+
+
+def _offload_under_xla(offload):
+    if offload is None:
+        return None
+    if offload == "auto":
+        logger.warning("memsave: offload='auto' under XLA: a compiled step keeps every "
+                       "tensor in device memory, so the plan recomputes instead")
+        return None
+    raise ValueError("memsave: offload= under XLA: a compiled step (jit_compile=True) keeps "
+                     "every tensor in device memory and cannot move checkpoints to the host; "
+                     "compile without XLA to offload, or pass offload=None or 'auto'")
+
+
+def _refuse_verify_under_xla(verify):
+    if verify is not None and verify is not False:
+        raise ValueError(
+            "memsave: verify= under XLA: the check reports a mismatch with an error message, "
+            "which a compiled step (jit_compile=True) cannot raise; verify the plan with "
+            "jit_compile=False (the gradients are the same), then compile")
 
 
 def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):

@@ -21,9 +21,10 @@ data's own) is remembered and sizes the plan, unless ``batch_size=`` or
 ``shapes=`` was passed to :func:`enable`.
 
 ``run_eagerly=True`` trains with the plain tape (memsave needs a graph) and
-logs a warning once. ``jit_compile=True`` is refused with a clear error:
-XLA re-schedules and deduplicates the recomputed ops, so the memory saving
-would silently be lost.
+logs a warning once. Under ``jit_compile=True`` (and ``"auto"``, which Keras
+turns into True where a GPU is visible) the step is traced for XLA and
+:func:`memsave.gradients` puts its recomputation behind XLA optimization
+barriers, so that XLA keeps it (see ``xla=`` there).
 """
 
 import functools
@@ -39,14 +40,6 @@ logger = logging.getLogger("memsave")
 
 _ATTR = "_memsave_keras"
 
-JIT_MESSAGE = (
-    "memsave.keras: the model is compiled with jit_compile=True. XLA merges memsave's "
-    "recomputed ops back into the forward pass and schedules its own buffers, so "
-    "checkpointing would silently save nothing. Compile with jit_compile=False (the "
-    "default 'auto' resolves to True for some models on GPU), or call "
-    "memsave.keras.disable(model).")
-
-
 def _check_backend():
     backend = keras.backend.backend()
     if backend != "tensorflow":
@@ -58,13 +51,6 @@ def _check_backend():
 def _check_model(model):
     if not isinstance(model, keras.Model):
         raise TypeError("memsave.keras.enable expects a keras.Model, got %r" % (model,))
-
-
-def _check_jit(model):
-    # Keras resolves jit_compile='auto' lazily; the train step is traced
-    # after that, so this sees the final value.
-    if getattr(model, "jit_compile", False) is True and not getattr(model, "run_eagerly", False):
-        raise ValueError(JIT_MESSAGE)
 
 
 def _reset_train_function(model):
@@ -149,8 +135,6 @@ def enable(model, checkpoints="optimal", **kwargs):
     _check_backend()
     _check_model(model)
     config = Config.make(checkpoints, **kwargs)
-    if model.__dict__.get("_jit_compile") is True and not getattr(model, "run_eagerly", False):
-        raise ValueError(JIT_MESSAGE)   # compiled already; else checked when tracing
     state = model.__dict__.get(_ATTR)
     if state is None:
         # The step Keras would call now: a custom train_step or Keras' own.
@@ -162,7 +146,6 @@ def enable(model, checkpoints="optimal", **kwargs):
     def train_step(data):
         state = model.__dict__[_ATTR]
         settings = state["config"]
-        _check_jit(model)
         with patching.scope(settings.checkpoints, settings.min_checkpoint_size,
                             **_options(settings, state, model)):
             return original(data)
@@ -220,7 +203,6 @@ class MemorySavingModel:
 
     def train_step(self, data):
         _check_backend()
-        _check_jit(self)
         checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
         config = Config.make(checkpoints, self.memsave_min_checkpoint_size,
                              **self.memsave_options)

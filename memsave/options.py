@@ -56,6 +56,7 @@ class Config:
                             % (", ".join(unknown), ", ".join(
                                 ["min_checkpoint_size"] + sorted(OPTION_NAMES))))
         verify.check_option(self.options.get("verify"))
+        api.check_xla(self.options.get("xla"))
 
     @classmethod
     def make(cls, checkpoints=DEFAULT_CHECKPOINTS, min_checkpoint_size=1024, **options):

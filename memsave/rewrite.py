@@ -27,7 +27,7 @@ import toposort
 
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, optable
-from memsave.graph.edit import fence
+from memsave.graph.edit import barrier, fence
 from memsave.graph.region import in_place_closure
 from memsave.graph.schedule import reducers_first
 
@@ -164,7 +164,7 @@ class _Swapper:
                 continue
             ahead = self.config.ahead
             trigger = ([self.backward[max(0, position - ahead)]]
-                       if ahead > 0 and self.backward else wait_for)
+                       if ahead > 0 and self.backward else [t.op for t in wait_for])
             out[ref] = self._identity(self.host[ref], t, t.op.device, "swap_in", trigger)
         return out
 
@@ -176,7 +176,7 @@ class _Swapper:
 
 
 def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=None,
-            **grad_kwargs):
+            barriers=False, **grad_kwargs):
     """Gradients of ``region.ys`` w.r.t. ``region.xs``, recomputing between ``checkpoints``.
 
     ``checkpoints`` must be region tensors and must include
@@ -184,7 +184,10 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
     among them starts with its ``grad_ys``. With ``swap`` (a
     :class:`SwapConfig`), its tensors, all checkpoints, wait in host memory.
     What is built is recorded in ``ledger`` (a :class:`memsave.graph.audit.Ledger`
-    made before the call), for the audit. Returns one gradient (or None) per x.
+    made before the call), for the audit. With ``barriers`` (the step is
+    compiled by XLA), each segment reads its inputs through an XLA
+    optimization barrier that also takes the gradients it waits for (see
+    :func:`memsave.graph.edit.barrier`). Returns one gradient (or None) per x.
     """
     ys, xs = region.ys, region.xs
     unconnected = grad_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
@@ -224,6 +227,11 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
                 {t.ref(): t for op in ops for t in op.inputs if t.ref() in stop}, wait_for)
             ledger.inserted(swapped.values())
         read_as = {**shields, **swapped}
+        barred = {}
+        if barriers:
+            barred = _barred_reads(ops, stop, read_as, region, wait_for, segment)
+            ledger.inserted(barred.values())
+            read_as.update(barred)
         copies = copy_ops(ops, replace=read_as, wait_for=wait_for, scope="memsave_%d" % segment)
         ledger.copied(copies)
         segment += 1
@@ -237,7 +245,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
         targets = read_cp + asked_x
         if not targets:
             return []
-        stops = _segment_stops(read_cp, user_stops, copies)
+        stops = _segment_stops(read_cp, user_stops, copies, barred)
         existing = region.graph.get_operations()
         before, start = len(existing), tf_internal.op_id(existing[-1]) + 1
         boundary_copies = [copies.output(t) for t in boundary]
@@ -262,7 +270,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
         ledger.inserted(fenced, fence=True)
         return fenced
 
-    wait = [y.op for y in ys] + [_op(g) for g in (grad_ys or []) if g is not None]
+    wait = list(ys) + [_dense_part(g) for g in (grad_ys or []) if g is not None]
     # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
     # first segment runs from the other ys down to the checkpoints.
     top, top_grads = [], []
@@ -279,7 +287,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
     if top:
         produced = run_segment(top, [y.op for y in top], top_grads if grad_ys else None, wait)
         if produced:
-            wait = [_op(g) for g in produced]
+            wait = [_dense_part(g) for g in produced]
 
     for level in reversed(_checkpoint_levels(region, checkpoints, stop)):
         active = [ref.deref() for ref in level if d_cp.total(ref.deref()) is not None]
@@ -288,7 +296,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
         produced = run_segment(active, [r.op for r in active],
                                [d_cp.total(r) for r in active], wait)
         if produced:
-            wait = [_op(g) for g in produced]
+            wait = [_dense_part(g) for g in produced]
 
     results = []
     for x in xs:
@@ -300,10 +308,15 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
     return results
 
 
-def _segment_stops(read_cp, user_stops, copies):
+def _segment_stops(read_cp, user_stops, copies, barred):
     """A segment's backprop stops at every checkpoint read it asks for (what
-    lies below is another segment's) and at the copies of the user's stops."""
-    return read_cp + [copies.output(t) for t in user_stops]
+    lies below is another segment's), at the copies of the user's stops and
+    at what it reads through an XLA barrier: the barrier also takes the
+    gradients the segment waits for, which depend on the xs, and backprop
+    must not follow that path, which plain backprop does not have."""
+    asked = {t.ref() for t in read_cp}
+    return (read_cp + [copies.output(t) for t in user_stops]
+            + [t for t in barred.values() if t.ref() not in asked])
 
 
 @dataclasses.dataclass
@@ -329,7 +342,7 @@ def _segment_reads(copies, boundary, stop, read_as, region_ops):
     in_place = in_place_closure([t.op for t in boundary if t.op not in copies.of], region_ops)
     made = set(copies.made) | set(in_place)
     readers = list(copies.made) + in_place
-    owner_of = {sub.ref(): stop[ref] for ref, sub in read_as.items()}
+    owner_of = {sub.ref(): stop[ref] for ref, sub in read_as.items() if ref in stop}
     refs, checkpoints = set(), []
     for op in readers:
         for t in op.inputs:
@@ -396,7 +409,32 @@ def _x_reads(region, leaf_xs):
     return found
 
 
-def _op(grad):
-    if isinstance(grad, tf.IndexedSlices):
-        return grad.values.op
-    return grad.op
+def _dense_part(grad):
+    """The tensor that holds ``grad``'s values (an IndexedSlices' ``values``)."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _barred_reads(ops, stop, read_as, region, wait_for, segment):
+    """``{ref: barrier output}`` for the float tensors ``ops`` read from outside.
+
+    Checkpoints and float tensors computed outside the region (the batch)
+    go through one barrier together with ``wait_for`` (the gradients the
+    segment waits for), which orders the recomputation after them. Others
+    are read as they are: integers may be shapes XLA needs as compile-time
+    constants; the xs and the kept reads of xs are what the segment's
+    gradient call asks for by name; resources and TensorLists are handles,
+    not values.
+    """
+    xs = {x.ref() for x in region.xs}
+    reads = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.op in ops or not t.dtype.is_floating:
+                continue
+            if t.ref() in stop or (t.op not in region.ops and t.ref() not in xs
+                                   and t.op.type != "Const"):
+                reads[t.ref()] = read_as.get(t.ref(), t)
+    if not reads:
+        return {}
+    outs = barrier(list(reads.values()) + list(wait_for), "memsave_%d/memsave_barrier" % segment)
+    return dict(zip(reads, outs))

@@ -44,6 +44,8 @@ try:
     from tensorflow.python.framework import func_graph as _func_graph
     from tensorflow.python.framework import op_def_registry as _op_def_registry
     from tensorflow.python.framework import ops as _ops
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops as _gen_xla_ops
+    from tensorflow.python.ops import control_flow_util as _cf_util_v1
     from tensorflow.python.ops import control_flow_util_v2 as _cf_util
     from tensorflow.python.ops import default_gradient as _default_gradient
     from tensorflow.python.ops import gradients as _gradients
@@ -205,6 +207,21 @@ get_flat_tensors_for_gradients = _need(
 convert_variables_to_tensors = _need(
     "tensorflow.python.util.variable_utils.convert_variables_to_tensors",
     lambda: _variable_utils.convert_variables_to_tensors)
+
+# Is the graph being traced for XLA (tf.function(jit_compile=True), Keras
+# jit_compile=True), it or a graph enclosing it? tf.function marks the trace
+# with an XLA control-flow context; no public API reads it.
+graph_compiled_by_xla = _need(
+    "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext",
+    lambda: _cf_util_v1.GraphOrParentsInXlaContext)
+
+# XLA's optimization barrier (jax.lax.optimization_barrier; what
+# jax.checkpoint(prevent_cse=True) uses): XLA neither merges nor moves
+# computation across it. Only the compiler's generated wrapper builds it
+# (tf.raw_ops lacks it); it has no kernel outside XLA.
+xla_optimization_barrier = _need(
+    "tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier",
+    lambda: _gen_xla_ops.xla_optimization_barrier)
 
 # The modules memsave.patch() patches besides tf and tf.compat.v1:
 # tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.

@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# jax (the xla extra, for deviceless GPU compiles) must not look for a GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -264,7 +264,8 @@ def test_segment_forgets_its_stops(monkeypatch):
     """A segment whose tf.gradients call does not stop at the checkpoints it
     reads differentiates the forward pass below them a second time."""
     monkeypatch.setattr(rewrite, "_segment_stops",
-                        lambda read_cp, user_stops, copies: [copies.output(t) for t in user_stops])
+                        lambda read_cp, user_stops, copies, barred:
+                        [copies.output(t) for t in user_stops])
     _caught(lambda: _session_worst(_shared_weight_case), "counted 2 times")
     _without_audit(monkeypatch)
     assert _session_worst(_shared_weight_case) > 1e-3

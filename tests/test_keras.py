@@ -236,21 +236,6 @@ def test_mixed_float16_loss_scaling(rewrites):
     assert float(plain.optimizer.dynamic_scale) == float(ours.optimizer.dynamic_scale)
 
 
-def test_jit_compile_raises_clear_error():
-    """XLA would merge the recomputation back: refuse rather than save nothing."""
-    model = _mlp(depth=2)
-    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    with pytest.raises(ValueError, match="jit_compile=True"):
-        memsave.keras.enable(model)
-    # Enabled first, compiled with XLA afterwards: caught when the step is traced.
-    model = memsave.keras.enable(_mlp(depth=2))
-    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    with pytest.raises(ValueError, match="jit_compile=True"):
-        model.fit(*_data(BATCH), batch_size=BATCH, verbose=0)
-    memsave.keras.disable(model)
-    model.fit(*_data(BATCH), batch_size=BATCH, verbose=0)
-
-
 def test_run_eagerly_falls_back_with_one_warning(caplog, rewrites):
     reset_warnings()
     plain, plain_losses = _fit(_mlp, use=False)

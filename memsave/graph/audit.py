@@ -109,10 +109,11 @@ class Ledger:
 
     def inserted(self, tensors, fence=False):
         """Identities memsave put between a tensor and its readers (shields,
-        swap-outs and swap-ins, fences). Checked, not trusted: each must be an
-        Identity, and a fence one that Grappler keeps."""
+        swap-outs and swap-ins, fences, XLA barriers). Checked, not trusted:
+        each must pass its inputs through unchanged (output i is input i), and
+        a fence must be an Identity that Grappler keeps."""
         for t in _components(tensors):
-            if t.op.type != "Identity":
+            if t.op.type not in _PASS_THROUGH or (fence and t.op.type != "Identity"):
                 self.problems.append("%s stands between a tensor and its readers but is a "
                                      "%s, not an Identity" % (t.op.name, t.op.type))
                 continue
@@ -149,9 +150,19 @@ class Ledger:
     def original_tensor(self, t):
         """The original tensor whose value ``t`` carries, or None."""
         while t.op in self.through:
-            t = t.op.inputs[0]
+            t = _passed_through(t)
         op = self.original_op(t.op)
         return None if op is None else op.outputs[t.value_index]
+
+
+# Ops whose output i is their input i: what memsave may insert between a
+# tensor and its readers.
+_PASS_THROUGH = frozenset({"Identity", "XlaOptimizationBarrier"})
+
+
+def _passed_through(t):
+    """The input an inserted pass-through op forwards as ``t``."""
+    return t.op.inputs[t.value_index]
 
 
 def _components(tensors):
@@ -390,13 +401,13 @@ def _account_call(call, ledger, accounts, outputs, problems):
                     accounts.consumed[(call, t.op)].update(tokens)
                 return
             if t.op in ledger.through and t.op in flow.sending:
-                t = t.op.inputs[0]
+                t = _passed_through(t)
                 continue
             accounts.consumed[(call, t.op)].update(tokens)
             return
 
     for t, op, i in flow.edges:
-        if op in ledger.through:
+        if op in ledger.through or _dead_end(t, ledger, flow, targets):
             continue
         original = ledger.original_op(op)
         if original is None:
@@ -422,6 +433,17 @@ def _account_call(call, ledger, accounts, outputs, problems):
     for x, g in zip(call.xs, call.outputs):
         if g is None:
             accounts.vanished.update(accounts.carried[(call, x.ref())])
+
+
+def _dead_end(t, ledger, flow, targets):
+    """Whether gradient sent to ``t`` stops there unused: an XLA barrier's
+    output that the call neither asks for nor differentiates. The barrier
+    also takes the gradients its segment waits for, so TensorFlow sees
+    paths from the xs through it and differentiates towards its outputs;
+    what arrives there is dropped (and XLA removes the dead computation).
+    A live edge of plain backprop that ends here is reported as dropped."""
+    return (t.op.type == "XlaOptimizationBarrier" and t.op in ledger.through
+            and t.ref() not in targets and t.op not in flow.sending)
 
 
 def _terms(g, owner, outputs, ledger, problems):

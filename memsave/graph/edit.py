@@ -171,6 +171,25 @@ def fence(grad):
                      _PRESERVE)
 
 
+def barrier(tensors, name):
+    """``tensors`` read through one XLA optimization barrier: its outputs, in order.
+
+    Under XLA, control inputs order nothing and identical computations are
+    merged (CSE), so copies of forward ops would collapse back into the
+    forward pass. A recomputed segment that reads its checkpoints through a
+    barrier which also takes the gradients the segment waits for is neither
+    mergeable (XLA cannot see through the barrier) nor runnable before those
+    gradients exist. The op has no kernel outside XLA.
+    """
+    graph = tensors[0].graph
+    with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
+            graph.device(tensors[0].op.device):
+        outs = tf_internal.xla_optimization_barrier(list(tensors), name=name)
+    for t, out in zip(tensors, outs):
+        out.set_shape(t.shape)
+    return list(outs)
+
+
 def graph_tensor(x, graph):
     """The graph tensor that stands for ``x`` in ``graph``.
 
