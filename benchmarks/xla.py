@@ -170,7 +170,11 @@ def measure(name):
         print("%s: %s" % (name, label), file=sys.stderr, flush=True)
         start = time.perf_counter()
         step = _step(peers.get(label, loss), variables, checkpoints, options)
-        hlo = step.experimental_get_compiler_ir()(stage="hlo_serialized")
+        try:
+            hlo = step.experimental_get_compiler_ir()(stage="hlo_serialized")
+        except Exception as e:  # pylint: disable=broad-except
+            rows.append({"model": name, "config": label, "error": _error_line(e)})
+            continue
         build = time.perf_counter() - start
         stats = xla_gpu.hlo_memory(hlo)
         rows.append({"model": name, "config": label, "temp_mib": stats["temp"] / MIB,
@@ -179,6 +183,12 @@ def measure(name):
         rows += [dict(r, model=name, build_s=None, device_peak_mib=None)
                  for r in _jax_chain_rows()]
     return rows
+
+
+def _error_line(error):
+    """The last line of ``error`` that names an error (tf.function prefixes a trace)."""
+    lines = [l.strip() for l in str(error).splitlines() if "Error" in l] or [str(error)]
+    return ("%s: %s" % (type(error).__name__, lines[-1].split("Error:", 1)[-1].strip()))[:200]
 
 
 def markdown(rows):
@@ -196,6 +206,9 @@ def markdown(rows):
                   "| config | temp MiB | vs plain | build s |" + (" GPU peak MiB |" if gpu else ""),
                   "|---|---:|---:|---:|" + ("---:|" if gpu else "")]
         for r in mine:
+            if "error" in r:
+                lines.append("| %s | raises: %s | | |" % (r["config"], r["error"]))
+                continue
             lines.append("| %s | %.1f | %.0f%% | %s |%s" % (
                 r["config"], r["temp_mib"], 100.0 * r["temp_mib"] / plain,
                 "%.1f" % r["build_s"] if r.get("build_s") is not None else "",
@@ -212,7 +225,7 @@ def plot(rows, path):
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.8), squeeze=False)
     for ax, name in zip(axes[0], models):
-        mine = [r for r in rows if r["model"] == name]
+        mine = [r for r in rows if r["model"] == name and "temp_mib" in r]
         ax.barh([r["config"] for r in mine], [r["temp_mib"] for r in mine],
                 color=["grey" if r["config"] == "plain" else "tab:blue"
                        if r["config"].split(",")[0] in dict(STRATEGIES) else "tab:orange"

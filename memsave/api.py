@@ -202,7 +202,8 @@ def _offload_names(offload, region):
 
 
 def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None,
-              offload=None, offload_model=None, shapes=None, max_recompute=None):
+              offload=None, offload_model=None, shapes=None, max_recompute=None,
+              compiled=False):
     """Run a strategy on the region; return a :class:`memsave.Plan`.
 
     ``checkpoints`` is a registered name ('optimal', ...), 'collection', a
@@ -210,7 +211,8 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_
     tensors. ``offload`` is None, 'auto' or a list of tensors to keep in
     host memory (see :mod:`memsave.planning.offload`). ``shapes`` and
     ``batch_size`` size what the graph leaves unknown (see
-    :mod:`memsave.graph.shapes`).
+    :mod:`memsave.graph.shapes`). ``compiled``: XLA compiles the step, so
+    the plan sees XLA's fusions (see :func:`memsave.graph.region.to_plan_graph`).
     """
     check_checkpoints(checkpoints)
     strategy = _strategy(checkpoints)
@@ -229,7 +231,8 @@ def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_
         raise TypeError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
     names = _offload_names(offload, region) if isinstance(offload, (list, tuple)) else []
     resolved = resolve_shapes(region, shapes, batch_size)
-    pg = to_plan_graph(region, batch_size=batch_size, shapes=resolved.shapes).validate()
+    pg = to_plan_graph(region, batch_size=batch_size, shapes=resolved.shapes,
+                       compiled=compiled).validate()
     unknown = pg.unknown_dims
     model = offload_model or OffloadModel()
     auto = "auto" if offload == "auto" else None
@@ -355,7 +358,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
             raise ValueError("swapin_groupby must be an int >= 0, got %r" % (swapin_groupby,))
         chosen = make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size,
                            offload, _offload_model(swapin_ahead, host_bandwidth, device_flops),
-                           shapes=shapes, max_recompute=max_recompute)
+                           shapes=shapes, max_recompute=max_recompute, compiled=compiled)
         logger.info("%s", chosen.summary())
         kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
         if not kept:
@@ -479,11 +482,12 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 @tf.autograph.experimental.do_not_convert
 def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None,
          offload=None, swapin_ahead=1, host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-         device_flops=DEFAULT_DEVICE_FLOPS, shapes=None, max_recompute=None):
+         device_flops=DEFAULT_DEVICE_FLOPS, shapes=None, max_recompute=None, xla=None):
     """The plan a strategy would execute, without rewriting anything."""
     ys = _as_ys(ys)
     xs = _as_list(xs)
     graph = _validate(ys, xs, None)
+    compiled = compiled_by_xla(xla, graph)
     with graph.as_default():
         region = analyze(ys, _resolve_xs(xs, graph))
         if not region.ops:
@@ -495,4 +499,4 @@ def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, b
                         notes=["none of the ys depends on the xs"])
         return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size, offload,
                          _offload_model(swapin_ahead, host_bandwidth, device_flops),
-                         shapes=shapes, max_recompute=max_recompute)
+                         shapes=shapes, max_recompute=max_recompute, compiled=compiled)

