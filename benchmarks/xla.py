@@ -104,7 +104,8 @@ def _gpt2():
 BUILDERS = {"chain": _chain, "ResNet50": _resnet50, "GPT2": _gpt2}
 LABELS = {"chain": "chain 32 × tanh(h @ W), 256 units, batch 4096",
           "ResNet50": "Keras ResNet50, 224 px, batch 32",
-          "GPT2": "keras-hub GPT2Backbone, 12 layers, 768 hidden, 1,024 tokens, batch 8"}
+          "GPT2": "keras-hub GPT2Backbone, 12 layers, 768 hidden, 1,024 tokens, batch 8, "
+                  "next-token cross-entropy on the tied embedding's logits"}
 
 
 def _step(loss, variables, checkpoints=None, options=None):

@@ -7,6 +7,7 @@ import tensorflow as tf
 from memsave import tf_internal
 from memsave import verify as verify_module
 from memsave.errors import GradientMismatchError
+from memsave.log import warn_once
 from memsave.planning import registry
 from memsave.planning import strategies as planning
 from memsave.planning.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
@@ -343,6 +344,14 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
     verify_module.check_option(verify)
+    if tf_internal.could_possibly_record():
+        # The tape would record none of the copies and give None for
+        # higher-order gradients where TensorFlow gives them.
+        warn_once("gradients:recording", (
+            "memsave.gradients: a GradientTape is recording (e.g. for higher-order "
+            "gradients); it would not see memsave's recomputed ops, so plain tf.gradients "
+            "is used for this call"))
+        return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
     compiled = compiled_by_xla(xla, graph)
     if compiled:
         offload = _offload_under_xla(offload)

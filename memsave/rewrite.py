@@ -418,9 +418,10 @@ def _barred_reads(ops, stop, read_as, region, wait_for, segment):
     """``{ref: barrier output}`` for the float tensors ``ops`` read from outside.
 
     Checkpoints and float tensors computed outside the region (the batch)
-    go through one barrier together with ``wait_for`` (the gradients the
-    segment waits for), which orders the recomputation after them. Others
-    are read as they are: integers may be shapes XLA needs as compile-time
+    go through one barrier together with the float ones of ``wait_for``
+    (the gradients the segment waits for), which orders the recomputation
+    after them. XLA's barrier takes no ``variant`` (the gradient of a
+    loop's TensorList). Others are read as they are: integers may be shapes XLA needs as compile-time
     constants; the xs and the kept reads of xs are what the segment's
     gradient call asks for by name; resources and TensorLists are handles,
     not values.
@@ -436,5 +437,6 @@ def _barred_reads(ops, stop, read_as, region, wait_for, segment):
                 reads[t.ref()] = read_as.get(t.ref(), t)
     if not reads:
         return {}
-    outs = barrier(list(reads.values()) + list(wait_for), "memsave_%d/memsave_barrier" % segment)
+    waits = [t for t in wait_for if t.dtype.is_floating or t.dtype.is_complex]
+    outs = barrier(list(reads.values()) + waits, "memsave_%d/memsave_barrier" % segment)
     return dict(zip(reads, outs))

@@ -306,6 +306,12 @@ def copy_gradient_function(source, target):
     target._gradient_function = source._gradient_function  # pylint: disable=protected-access
 
 
+def set_gradient_function(op, function):
+    """Give this one op the gradient ``function(op, *output_grads)``; no public
+    API sets a gradient per op (tf.RegisterGradient is global, per type)."""
+    op._gradient_function = function  # pylint: disable=protected-access
+
+
 def same_gradient_function(a, b):
     """Whether ops ``a`` and ``b`` carry the same gradient override (or none)."""
     return a._gradient_function is b._gradient_function  # pylint: disable=protected-access

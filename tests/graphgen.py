@@ -510,6 +510,11 @@ def build(tf, spec, variables):
                 tensors=named, forward=pool + loss_ts, writes=writes)
 
 
+def prints(spec):
+    """Whether a loop body calls tf.print (which XLA cannot compile)."""
+    return any(op[0] == "loop" and op[1] == "map_print" for op in spec.ops)
+
+
 def is_random(spec):
     """Whether the forward pass draws random numbers (forward values differ per run)."""
     return any(op[0] == "dropout" or (op[0] == "loop" and op[1] == "map_dropout")
@@ -518,9 +523,10 @@ def is_random(spec):
 
 def _loop(tf, form, h, w):
     if form == "while":
+        # The static bound lets XLA compile it (its gradient's TensorLists).
         return tf.while_loop(lambda i, s: i < 2,
                              lambda i, s: (i + 1, 0.5 * s + 0.5 * tf.tanh(s @ w)),
-                             [tf.constant(0), h])[1]
+                             [tf.constant(0), h], maximum_iterations=2)[1]
 
     def row(r):
         return tf.tanh(tf.linalg.matvec(w, r, transpose_a=True))

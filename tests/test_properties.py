@@ -28,6 +28,7 @@ rather than loading it globally, so other test files are unaffected.
 
 import collections
 import contextlib
+import functools
 import os
 
 import numpy as np
@@ -63,6 +64,7 @@ CONFIGS = tuple((s, s, {}) for s in STRATEGIES) + (
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
 N_WEAK = N if LONG else N // 2    # weak-spot examples, in a Session
 N_WEAK_FUNCTION = max(N // 6, 10)  # and in a tf.function
+N_WEAK_XLA = N_WEAK_FUNCTION if LONG else max(N // 12, 10)   # and jit-compiled
 
 
 # ---------------------------------------------------------------- comparison
@@ -236,8 +238,9 @@ def _try(label, strategy, options, built, stats, oracle=True):
         stats["budget refused"] += 1
     except ValueError as e:
         # A listed tensor that cannot wait in host memory (a y, an x, read
-        # in place by a kept op): the documented refusal.
-        if "cannot offload" not in str(e) or options.get("offload") != "listed":
+        # in place by a kept op), or any under XLA: the documented refusals.
+        refusal = "cannot offload" in str(e) or "offload= under XLA" in str(e)
+        if not refusal or options.get("offload") != "listed":
             raise
         stats["offload refused"] += 1
     return None
@@ -339,12 +342,13 @@ def run_session_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=T
             assert_close(a, b, "%s: gradient %d" % (label, i))
 
 
-def run_function_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=True):
+def run_function_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=True,
+                         jit_compile=None):
     note(repr(spec))
     variables = graphgen.make_variables(tf, spec)
     out = {}
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def step():
         built = graphgen.build(tf, spec, variables)
         results, grads_of = {}, {}
@@ -413,18 +417,24 @@ def test_random_dags_tf_function():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mode", ["session", "tf_function"])
+@pytest.mark.parametrize("mode", ["session", "tf_function", "xla"])
 def test_weak_spots(mode):
     """Loops (stateful ones too, and ones reading a variable written later),
     conds, nested calls, custom gradients, Pow/GELU and float32 conv + bias:
-    every strategy, with and without offloading, and a budget."""
+    every strategy, with and without offloading, and a budget; in a Session,
+    in a tf.function, and jit-compiled by XLA (against plain XLA)."""
     stats = collections.Counter()
-    run, examples, max_ops = ((run_session_example, N_WEAK, 24) if mode == "session"
-                              else (run_function_example, N_WEAK_FUNCTION, 16))
+    run, examples, max_ops = {
+        "session": (run_session_example, N_WEAK, 24),
+        "tf_function": (run_function_example, N_WEAK_FUNCTION, 16),
+        "xla": (functools.partial(run_function_example, jit_compile=True), N_WEAK_XLA, 16),
+    }[mode]
 
     @settings(parent=PROFILE, max_examples=examples)
     @given(spec=graphgen.specs(min_ops=4, max_ops=max_ops, weak_spots=True))
     def check(spec):
+        if mode == "xla":
+            assume(not graphgen.prints(spec))    # XLA has no kernel for tf.print
         run(spec, stats, CONFIGS, oracle=False)
 
     check()

@@ -139,6 +139,34 @@ def test_gradients_equal_plain_xla(model, dtype, tolerance, config):
     assert _relative(plain, [g.numpy() for g in step()]) <= tolerance
 
 
+@pytest.mark.parametrize("checkpoints", ["optimal", "memory", "speed"])
+def test_loop_kept_in_place_under_xla(checkpoints):
+    """A scan reading a variable the step writes later is never recomputed;
+    its TensorList input gets a (variant) gradient, which the next segment
+    waits for: XLA's barrier takes no variant (found by the fuzzer)."""
+    rng = np.random.RandomState(0)
+    w0, w1, w2 = (tf.Variable(rng.randn(8, 8) / 3) for _ in range(3))
+    x = tf.constant(rng.randn(6, 8))
+
+    @tf.function(jit_compile=True)
+    def step():
+        with tf.GradientTape() as plain, memsave.GradientTape(
+                checkpoints=checkpoints, min_checkpoint_size=0, fallback=False) as ours:
+            h = tf.tanh(x @ w0)
+            m = tf.scan(lambda acc, r: 0.5 * acc + tf.tanh(tf.linalg.matvec(w1, r,
+                                                                             transpose_a=True)),
+                        h) + h
+            loss = tf.reduce_sum(tf.tanh(m @ w2) ** 2)
+        with tf.control_dependencies([loss]):
+            write = w1.assign_add(tf.ones_like(w1))
+        with tf.control_dependencies([write]):
+            return plain.gradient(loss, [w0, w1, w2]), ours.gradient(loss, [w0, w1, w2])
+
+    plain, ours = step()
+    assert BARRIER in _ops(step)
+    assert _relative([g.numpy() for g in plain], [g.numpy() for g in ours]) <= 1e-12
+
+
 def test_verify_under_xla_is_refused_clearly():
     loss, ws = _chain()
     with pytest.raises(ValueError, match="jit_compile=False"):
@@ -250,3 +278,48 @@ def test_plans_see_xla_fusions():
     assert compiled.nodes[inner.name]["cost"] == 0 and compiled.nodes[inner.name]["candidate"]
     tanh = out.op.inputs[0].name
     assert compiled.nodes[tanh]["saved"] and compiled.nodes[tanh]["cost"] > 0
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_gradient_of_memsave_gradients(jit):
+    """A gradient penalty differentiates the rewritten backward pass itself,
+    through the barriers (identity per output) under XLA."""
+    loss, ws = _chain(depth=4)
+
+    def step(gradients):
+        @tf.function(jit_compile=jit)
+        def run():
+            grads = gradients(loss(), ws)
+            return tf.gradients(tf.add_n([tf.reduce_sum(g ** 2) for g in grads]), ws)
+        return [g.numpy() for g in run()]
+
+    plain = step(tf.gradients)
+    ours = step(lambda y, xs: memsave.gradients(y, xs, checkpoints="optimal",
+                                                min_checkpoint_size=0, fallback=False))
+    assert _relative(plain, ours) <= 1e-12
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_memsave_gradients_under_a_recording_tape_uses_plain(jit, caplog):
+    """An outer tape records none of memsave's copies: its second-order
+    gradients would be None. memsave.gradients then says so and uses plain."""
+    from memsave.log import reset_warnings
+    reset_warnings()
+    loss, ws = _chain(depth=4)
+
+    def step(gradients):
+        @tf.function(jit_compile=jit)
+        def run():
+            with tf.GradientTape() as outer:
+                grads = gradients(loss(), ws)
+                penalty = tf.add_n([tf.reduce_sum(g ** 2) for g in grads])
+            return outer.gradient(penalty, ws)
+        return run()
+
+    plain = step(tf.gradients)
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        ours = step(lambda y, xs: memsave.gradients(y, xs, checkpoints="optimal",
+                                                    min_checkpoint_size=0, fallback=False))
+    assert all(g is not None for g in ours)
+    assert _relative([g.numpy() for g in plain], [g.numpy() for g in ours]) <= 1e-12
+    assert any("GradientTape is recording" in r.getMessage() for r in caplog.records)

@@ -185,9 +185,17 @@ def barrier(tensors, name):
     with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
             graph.device(tensors[0].op.device):
         outs = tf_internal.xla_optimization_barrier(list(tensors), name=name)
+    # TensorFlow registers no gradient for the barrier; a gradient of the
+    # rewritten backward pass itself (a gradient penalty) needs one. It is
+    # an identity per output, set on this op only (no global registration).
+    tf_internal.set_gradient_function(outs[0].op, _pass_through_gradient)
     for t, out in zip(tensors, outs):
         out.set_shape(t.shape)
     return list(outs)
+
+
+def _pass_through_gradient(op, *grads):  # pylint: disable=unused-argument
+    return list(grads)
 
 
 def graph_tensor(x, graph):
