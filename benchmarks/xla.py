@@ -220,12 +220,10 @@ def markdown(rows):
 
 
 def plot(rows, path):
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    from benchmarks.plotting import model_panels  # pylint: disable=import-outside-toplevel
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], models):
+    fig, axes = model_panels(models, 4.6, 3.8)
+    for ax, name in zip(axes, models):
         mine = [r for r in rows if r["model"] == name and "temp_mib" in r]
         ax.barh([r["config"] for r in mine], [r["temp_mib"] for r in mine],
                 color=["grey" if r["config"] == "plain" else "tab:blue"

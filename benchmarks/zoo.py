@@ -243,12 +243,10 @@ def markdown(summary, machine):
 
 
 def plot(summary, path):
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    from benchmarks.plotting import model_panels  # pylint: disable=import-outside-toplevel
     models = list(dict.fromkeys(r["model"] for r in summary))
-    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.6), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = model_panels(models, 4, 3.6)
+    for ax, model in zip(axes, models):
         rows = [r for r in summary if r["model"] == model and "peak_median" in r]
         plain = next(r["peak_median"] for r in rows if r["config"] == "plain")
         for r in rows:
