@@ -344,14 +344,6 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
     verify_module.check_option(verify)
-    if tf_internal.could_possibly_record():
-        # The tape would record none of the copies and give None for
-        # higher-order gradients where TensorFlow gives them.
-        warn_once("gradients:recording", (
-            "memsave.gradients: a GradientTape is recording (e.g. for higher-order "
-            "gradients); it would not see memsave's recomputed ops, so plain tf.gradients "
-            "is used for this call"))
-        return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
     compiled = compiled_by_xla(xla, graph)
     if compiled:
         offload = _offload_under_xla(offload)
@@ -359,6 +351,14 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     with graph.as_default():
         xs = _resolve_xs(xs, graph)
         grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
+        if tf_internal.could_possibly_record():
+            # The tape would record none of the copies and give None for
+            # higher-order gradients where TensorFlow gives them.
+            warn_once("gradients:recording", (
+                "memsave.gradients: a GradientTape is recording (e.g. for higher-order "
+                "gradients); it would not see memsave's recomputed ops, so plain "
+                "tf.gradients is used for this call"))
+            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
         region = analyze(ys, xs)
         if not region.ops:
             logger.warning("memsave: none of the ys depends on the xs; gradients are None")
