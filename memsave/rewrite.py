@@ -56,6 +56,22 @@ def aggregate(grads):
     return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
+def rows_summed(grad):
+    """``grad`` (IndexedSlices) with one row per index, duplicates summed.
+
+    A gather differentiated in several segments gives one sparse partial per
+    segment, concatenated, so each index shows up once per segment where
+    TensorFlow's one differentiation gives it once per lookup. Keras'
+    LossScaleOptimizer checks IndexedSlices for inf/NaN without summing
+    duplicate rows: with mixed_float16 it took an overflowing step that a
+    finite later row of the same index hid, and the embedding became NaN.
+    Summed rows are what such checks assume.
+    """
+    unique, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, grad.dense_shape)
+
+
 class _Accumulator:
     """Running sums of partial gradients per tensor ref.
 
@@ -68,6 +84,7 @@ class _Accumulator:
     def __init__(self):
         self._sums = {}
         self._changed = {}
+        self._partials = {}
 
     def add(self, t, grad):
         """Add a partial gradient to ``t``'s running sum."""
@@ -75,6 +92,14 @@ class _Accumulator:
             return
         self._sums[t.ref()] = aggregate([self._sums.get(t.ref()), grad])
         self._changed[t.ref()] = True
+        self._partials[t.ref()] = self._partials.get(t.ref(), 0) + 1
+
+    def result(self, t):
+        """The final sum for ``t``; sparse partials summed per row (see :func:`rows_summed`)."""
+        g = self.total(t)
+        if isinstance(g, tf.IndexedSlices) and self._partials.get(t.ref(), 0) > 1:
+            g = rows_summed(g)
+        return g
 
     def fence_changed(self):
         """Fence the sums changed since the last call (see :func:`fence`); return them."""
@@ -300,7 +325,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
 
     results = []
     for x in xs:
-        g = d_cp.total(x) if x.ref() in stop else d_xs.total(x)
+        g = d_cp.result(x) if x.ref() in stop else d_xs.result(x)
         if g is None and unconnected == tf.UnconnectedGradients.ZERO:
             g = tf_internal.zeros_for_unconnected(x)
             ledger.unconnected(g)

@@ -236,6 +236,43 @@ def test_mixed_float16_loss_scaling(rewrites):
     assert float(plain.optimizer.dynamic_scale) == float(ours.optimizer.dynamic_scale)
 
 
+@pytest.mark.parametrize("checkpoints", ["memory", "optimal"])
+def test_mixed_float16_overflow_with_an_embedding_skips_the_step(checkpoints):
+    """An embedding gathered in two segments gives two sparse partials; as
+    concatenated rows, Keras' finiteness check (which does not sum duplicate
+    rows) missed the overflow of the first step, took it and made the
+    embedding NaN. memsave returns summed rows: the step is skipped as in
+    plain Keras, and the loss scale halves the same way."""
+    rng = np.random.RandomState(0)
+    rng.rand(8 * 8 * 8 * 3)                  # data whose first step overflows (found so)
+    labels = rng.randint(0, 4, 8)
+    rng.rand(8 * 5 * 3)
+    ids = rng.randint(0, 20, (8, 6)).astype("int32")
+    outcomes = []
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for use in (False, True):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,), dtype="int32")
+            h = keras.layers.LayerNormalization()(keras.layers.Embedding(20, 8)(inputs))
+            h = keras.layers.MultiHeadAttention(2, 4, dropout=0.2)(h, h) + h
+            h = keras.layers.Dense(8, activation="relu")(h)
+            model = keras.Model(inputs, keras.layers.Dense(4)(
+                keras.layers.GlobalAveragePooling1D()(h)))
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss="sparse_categorical_crossentropy", jit_compile=False)
+            if use:
+                memsave.keras.enable(model, checkpoints, min_checkpoint_size=0, fallback=False)
+            for i in range(2):
+                model.train_on_batch(ids[4 * i:4 * i + 4], labels[4 * i:4 * i + 4])
+            outcomes.append((float(model.optimizer.dynamic_scale.numpy()),
+                             bool(np.all(np.isfinite(model.layers[1].embeddings.numpy())))))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert outcomes[0][0] < 32768.0 and outcomes[0][1]   # plain skipped an overflowing step
+    assert outcomes[1] == outcomes[0]
+
+
 def test_run_eagerly_falls_back_with_one_warning(caplog, rewrites):
     reset_warnings()
     plain, plain_losses = _fit(_mlp, use=False)
