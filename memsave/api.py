@@ -329,7 +329,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     ``jit_compile=True``). Under XLA each recomputed segment reads its
     inputs through an optimization barrier, as ``jax.checkpoint`` does, so
     that XLA neither merges the recomputation back into the forward pass
-    nor runs it early; the barrier has no kernel outside XLA. Offloading
+    nor runs it early; outside XLA the barriers would only add ops. Offloading
     needs host memory, which a compiled step cannot address: ``offload=``
     a list is refused and 'auto' plans without it.
 

@@ -218,7 +218,7 @@ graph_compiled_by_xla = _need(
 # XLA's optimization barrier (jax.lax.optimization_barrier; what
 # jax.checkpoint(prevent_cse=True) uses): XLA neither merges nor moves
 # computation across it. Only the compiler's generated wrapper builds it
-# (tf.raw_ops lacks it); it has no kernel outside XLA.
+# (tf.raw_ops lacks it); memsave inserts it only where XLA compiles the step.
 xla_optimization_barrier = _need(
     "tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier",
     lambda: _gen_xla_ops.xla_optimization_barrier)

@@ -179,7 +179,7 @@ def barrier(tensors, name):
     forward pass. A recomputed segment that reads its checkpoints through a
     barrier which also takes the gradients the segment waits for is neither
     mergeable (XLA cannot see through the barrier) nor runnable before those
-    gradients exist. The op has no kernel outside XLA.
+    gradients exist. Only inserted where XLA compiles the step.
     """
     graph = tensors[0].graph
     with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
