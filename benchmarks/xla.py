@@ -29,6 +29,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks import xla_gpu  # noqa: E402  (sets JAX_PLATFORMS before jax loads)
+from benchmarks.zoo import error_line  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = ("chain", "ResNet50", "GPT2")
@@ -174,7 +175,7 @@ def measure(name):
         try:
             hlo = step.experimental_get_compiler_ir()(stage="hlo_serialized")
         except Exception as e:  # pylint: disable=broad-except
-            rows.append({"model": name, "config": label, "error": _error_line(e)})
+            rows.append({"model": name, "config": label, "error": error_line(e)})
             continue
         build = time.perf_counter() - start
         stats = xla_gpu.hlo_memory(hlo)
@@ -184,12 +185,6 @@ def measure(name):
         rows += [dict(r, model=name, build_s=None, device_peak_mib=None)
                  for r in _jax_chain_rows()]
     return rows
-
-
-def _error_line(error):
-    """The last line of ``error`` that names an error (tf.function prefixes a trace)."""
-    lines = [l.strip() for l in str(error).splitlines() if "Error" in l] or [str(error)]
-    return ("%s: %s" % (type(error).__name__, lines[-1].split("Error:", 1)[-1].strip()))[:200]
 
 
 def markdown(rows):

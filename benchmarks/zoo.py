@@ -144,7 +144,7 @@ def child(name, quick, pairs):
         try:
             first = timed(step)
         except (memsave.NoBottleneckError, ValueError) as e:
-            rows.append(dict(model=name, config=label, error=_error_line(e)))
+            rows.append(dict(model=name, config=label, error=error_line(e)))
             continue
         once = timed(step)
         steps[label] = step
@@ -261,7 +261,7 @@ def plot(summary, path):
     fig.savefig(path, dpi=120)
 
 
-def _error_line(error):
+def error_line(error):
     """The message of ``error``, without the traceback tf.function puts before it."""
     lines = [l.strip() for l in str(error).splitlines() if l.strip()]
     named = [l for l in lines if "Error:" in l]
