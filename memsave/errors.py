@@ -8,50 +8,43 @@ as a ``StagingError``, when they cross a converted ``tf.function``, so
 """
 
 
-class NoBottleneckError(ValueError):
-    """The 'memory' strategy found no single-tensor bottleneck to keep."""
+class _AutographReraisable:
+    """``Exception``'s constructor, so autograph re-raises each error below as
+    itself (see the module docstring)."""
 
     __init__ = Exception.__init__
+
+
+class NoBottleneckError(_AutographReraisable, ValueError):
+    """The 'memory' strategy found no single-tensor bottleneck to keep."""
 
 
 class TapeNoBottleneckError(NoBottleneckError):
     """:class:`NoBottleneckError` raised by ``GradientTape.gradient`` (says which tape)."""
 
-    __init__ = Exception.__init__
 
-
-class BudgetError(ValueError):
+class BudgetError(_AutographReraisable, ValueError):
     """No plan fits the requested memory budget."""
 
-    __init__ = Exception.__init__
 
-
-class StrategyError(ValueError):
+class StrategyError(_AutographReraisable, ValueError):
     """A strategy (built-in or user-defined) returned something unusable."""
 
-    __init__ = Exception.__init__
 
-
-class PlanGraphError(ValueError):
+class PlanGraphError(_AutographReraisable, ValueError):
     """A planning graph breaks its schema (see :mod:`memsave.planning.dag`)."""
 
-    __init__ = Exception.__init__
 
-
-class V1ControlFlowError(ValueError):
+class V1ControlFlowError(_AutographReraisable, ValueError):
     """The region holds TF1 control flow, which memsave cannot recompute."""
 
-    __init__ = Exception.__init__
 
-
-class GradientMismatchError(RuntimeError):
+class GradientMismatchError(_AutographReraisable, RuntimeError):
     """memsave's gradients would not have ``tf.gradients``' ``None`` pattern.
 
     Raised instead of returning them: a missing gradient trains silently
     wrong. It is a memsave bug; please report it with the graph.
     """
-
-    __init__ = Exception.__init__
 
 
 __all__ = ["BudgetError", "GradientMismatchError", "NoBottleneckError", "PlanGraphError",

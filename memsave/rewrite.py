@@ -214,123 +214,171 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
     optimization barrier that also takes the gradients it waits for (see
     :func:`memsave.graph.edit.barrier`). Returns one gradient (or None) per x.
     """
-    ys, xs = region.ys, region.xs
     unconnected = grad_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
-    user_stops = list(grad_kwargs.pop("stop_gradients", None) or [])
-    # xs computed inside the region are checkpoints (region.forced): their
-    # gradients accumulate like a checkpoint's. Each leaf x is asked once.
-    leaf_xs = list({x.ref(): x for x in region.leaf_xs}.values())
-    # A kept read of a leaf x (a variable read that must not be redone) is
-    # differentiated in place on the way to its x: a segment that reads it
-    # asks for the x. As a checkpoint it would hold a running gradient sum
-    # the size of the variable per read until the end of the backward pass,
-    # and an unrolled RNN reads its weights once per step.
-    aliases = _x_reads(region, leaf_xs)
-    checkpoints = [t for t in checkpoints if t.ref() not in aliases]
-    stop = {t.ref(): t for t in checkpoints}
-    # tf.gradients differentiates a function call even when its output is in
-    # stop_gradients, so copies read such a checkpoint through an Identity,
-    # which the stop does hold (else the call's inputs get the gradient twice).
-    shields = _shields(region, checkpoints)
-    ledger.inserted(shields.values())
-    within = region.copyable
-    d_cp, d_xs = _Accumulator(), _Accumulator()
-    segment = 0
-    swapper = _Swapper(region.graph, swap, "memsave_offload") if swap and swap.tensors else None
-    if swapper is not None:
-        ledger.inserted(swapper.host.values())
+    run = _Rewrite(region, checkpoints, ledger, name, swap, barriers, grad_kwargs)
+    run.top_segment(grad_ys)
+    for level in reversed(_checkpoint_levels(region, run.checkpoints, run.stop)):
+        active = [ref.deref() for ref in level if run.d_cp.total(ref.deref()) is not None]
+        if active:
+            run.run_segment(active, [r.op for r in active], [run.d_cp.total(r) for r in active])
+    return run.results(unconnected)
 
-    def run_segment(boundary, seeds, grads, wait_for):
+
+class _Rewrite:
+    """The state of one :func:`rewrite`: where backprop stops, how checkpoints
+    are read, the running gradient sums, and what the next segment waits for.
+
+    Segments are built one after the other (:meth:`run_segment`); the order
+    in which their ops are made is the order the audit and the swapper see.
+    """
+
+    def __init__(self, region, checkpoints, ledger, name, swap, barriers, grad_kwargs):
+        self.region, self.ledger, self.name = region, ledger, name
+        self.barriers, self.grad_kwargs = barriers, grad_kwargs
+        self.user_stops = list(grad_kwargs.pop("stop_gradients", None) or [])
+        # xs computed inside the region are checkpoints (region.forced): their
+        # gradients accumulate like a checkpoint's. Each leaf x is asked once.
+        self.leaf_xs = list({x.ref(): x for x in region.leaf_xs}.values())
+        # A kept read of a leaf x (a variable read that must not be redone) is
+        # differentiated in place on the way to its x: a segment that reads it
+        # asks for the x. As a checkpoint it would hold a running gradient sum
+        # the size of the variable per read until the end of the backward pass,
+        # and an unrolled RNN reads its weights once per step.
+        self.aliases = _x_reads(region, self.leaf_xs)
+        self.checkpoints = [t for t in checkpoints if t.ref() not in self.aliases]
+        self.stop = {t.ref(): t for t in self.checkpoints}
+        # tf.gradients differentiates a function call even when its output is in
+        # stop_gradients, so copies read such a checkpoint through an Identity,
+        # which the stop does hold (else the call's inputs get the gradient twice).
+        self.shields = _shields(region, self.checkpoints)
+        ledger.inserted(self.shields.values())
+        self.within = region.copyable
+        self.d_cp, self.d_xs = _Accumulator(), _Accumulator()
+        self.segment = 0
+        self.wait = []
+        self.swapper = (_Swapper(region.graph, swap, "memsave_offload")
+                        if swap and swap.tensors else None)
+        if self.swapper is not None:
+            ledger.inserted(self.swapper.host.values())
+
+    def top_segment(self, grad_ys):
+        """Seed the ys and run the first segment, from the ys that are not
+        checkpoints down to the checkpoints."""
+        ys = self.region.ys
+        self.wait = list(ys) + [_dense_part(g) for g in (grad_ys or []) if g is not None]
+        # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
+        # first segment runs from the other ys down to the checkpoints.
+        top, top_grads = [], []
+        for i, y in enumerate(ys):
+            g = grad_ys[i] if grad_ys else None
+            if y.ref() in self.stop and g is None:
+                g = tf.compat.v1.ones_like(y)
+            self.ledger.seed(g, y)
+            if y.ref() in self.stop:
+                self.d_cp.add(y, g)
+            else:
+                top.append(y)
+                top_grads.append(g)
+        if top:
+            self.run_segment(top, [y.op for y in top], top_grads if grad_ys else None)
+
+    def run_segment(self, boundary, seeds, grads):
         """Copy the ops behind ``seeds`` and differentiate ``boundary``'s copy."""
-        nonlocal segment
-        ledger.segment()
-        seed_ops = [op for op in seeds if op in within]
-        ops = backward_ops(seed_ops, stop_at=stop, within=within) if seed_ops else set()
-        swapped = {}
-        if swapper is not None:
-            swapped = swapper.swap_in(
-                {t.ref(): t for op in ops for t in op.inputs if t.ref() in stop}, wait_for)
-            ledger.inserted(swapped.values())
-        read_as = {**shields, **swapped}
-        barred = {}
-        if barriers:
-            barred = _barred_reads(ops, stop, read_as, region, wait_for, segment)
-            ledger.inserted(barred.values())
-            read_as.update(barred)
-        copies = copy_ops(ops, replace=read_as, wait_for=wait_for, scope="memsave_%d" % segment)
-        ledger.copied(copies)
-        segment += 1
-        reads = _segment_reads(copies, boundary, stop, read_as, region.ops)
+        copies, swapped, barred, read_as = self._copy_segment(seeds)
+        reads = _segment_reads(copies, boundary, self.stop, read_as, self.region.ops)
         owners = [owner for owner, _ in reads.checkpoints]
         read_cp = [t for _, t in reads.checkpoints]
-        via_reads = {aliases[ref].ref() for ref in reads.refs if ref in aliases}
-        asked_x = [x for x in leaf_xs
-                   if x.ref() in reads.refs or x.ref() in via_reads
-                   or any(x is b for b in boundary)]
+        asked_x = self._asked_xs(reads, boundary)
         targets = read_cp + asked_x
         if not targets:
-            return []
-        stops = _segment_stops(read_cp, user_stops, copies, barred)
-        existing = region.graph.get_operations()
+            return
+        grads_out = self._differentiate(copies, boundary, grads, targets, read_cp, barred)
+        if self.swapper is not None:
+            self.swapper.used(swapped)
+        for t, g in zip(owners, grads_out):
+            self.d_cp.add(t, g)
+        for t, g in zip(asked_x, grads_out[len(owners):]):
+            self.d_xs.add(t, g)
+        logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint read(s) and "
+                     "%d x(s)", self.segment - 1, len(copies.of), len(read_cp), len(asked_x))
+        self._hand_on()
+
+    def _copy_segment(self, seeds):
+        """Copy the ops behind ``seeds``, waiting for ``self.wait``; checkpoints are
+        read through their shields, swap-ins and (``barriers``) XLA barriers.
+        Returns (copies, swapped-in, barred, every substitute read)."""
+        ledger = self.ledger
+        ledger.segment()
+        seed_ops = [op for op in seeds if op in self.within]
+        ops = (backward_ops(seed_ops, stop_at=self.stop, within=self.within)
+               if seed_ops else set())
+        # In creation order, so that swap-ins and barrier inputs are built in
+        # the same order on every run (a set's order follows memory addresses).
+        ordered = sorted(ops, key=tf_internal.op_id)
+        swapped = {}
+        if self.swapper is not None:
+            swapped = self.swapper.swap_in(
+                {t.ref(): t for op in ordered for t in op.inputs if t.ref() in self.stop},
+                self.wait)
+            ledger.inserted(swapped.values())
+        read_as = {**self.shields, **swapped}
+        barred = {}
+        if self.barriers:
+            barred = _barred_reads(ordered, ops, self.stop, read_as, self.region, self.wait,
+                                   self.segment)
+            ledger.inserted(barred.values())
+            read_as.update(barred)
+        copies = copy_ops(ops, replace=read_as, wait_for=self.wait,
+                          scope="memsave_%d" % self.segment)
+        ledger.copied(copies)
+        self.segment += 1
+        return copies, swapped, barred, read_as
+
+    def _asked_xs(self, reads, boundary):
+        """The leaf xs a segment's gradient call asks for: those it reads,
+        directly or through a kept read of them, and those in ``boundary``."""
+        via_reads = {self.aliases[ref].ref() for ref in reads.refs if ref in self.aliases}
+        return [x for x in self.leaf_xs
+                if x.ref() in reads.refs or x.ref() in via_reads
+                or any(x is b for b in boundary)]
+
+    def _differentiate(self, copies, boundary, grads, targets, read_cp, barred):
+        """TensorFlow's gradients of ``boundary``'s copy w.r.t. ``targets``,
+        recorded for the audit; the gradient ops it makes read the copies and
+        run their reducers first."""
+        graph = self.region.graph
+        stops = _segment_stops(read_cp, self.user_stops, copies, barred)
+        existing = graph.get_operations()
         before, start = len(existing), tf_internal.op_id(existing[-1]) + 1
         boundary_copies = [copies.output(t) for t in boundary]
-        grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=name,
-                                    stop_gradients=stops, **grad_kwargs)
-        ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
-        made_now = region.graph.get_operations()[before:]
+        grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=self.name,
+                                    stop_gradients=stops, **self.grad_kwargs)
+        self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
+        made_now = graph.get_operations()[before:]
         _read_copies(made_now, copies.of)
         reducers_first(made_now)
-        if swapper is not None:
-            swapper.used(swapped)
-        for t, g in zip(owners, grads_out):
-            d_cp.add(t, g)
-        for t, g in zip(asked_x, grads_out[len(owners):]):
-            d_xs.add(t, g)
-        logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint read(s) and "
-                     "%d x(s)", segment - 1, len(copies.of), len(read_cp), len(asked_x))
+        return grads_out
+
+    def _hand_on(self):
+        """Fence the running sums the segment changed; the next one waits for them."""
         # The next segment waits for the running sums, not just the partials,
         # so each partial is folded in (and freed) before more is recomputed.
         # They cross over fenced (see memsave.graph.edit.fence).
-        fenced = d_cp.fence_changed() + d_xs.fence_changed()
-        ledger.inserted(fenced, fence=True)
-        return fenced
+        fenced = self.d_cp.fence_changed() + self.d_xs.fence_changed()
+        self.ledger.inserted(fenced, fence=True)
+        if fenced:
+            self.wait = [_dense_part(g) for g in fenced]
 
-    wait = list(ys) + [_dense_part(g) for g in (grad_ys or []) if g is not None]
-    # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
-    # first segment runs from the other ys down to the checkpoints.
-    top, top_grads = [], []
-    for i, y in enumerate(ys):
-        g = grad_ys[i] if grad_ys else None
-        if y.ref() in stop and g is None:
-            g = tf.compat.v1.ones_like(y)
-        ledger.seed(g, y)
-        if y.ref() in stop:
-            d_cp.add(y, g)
-        else:
-            top.append(y)
-            top_grads.append(g)
-    if top:
-        produced = run_segment(top, [y.op for y in top], top_grads if grad_ys else None, wait)
-        if produced:
-            wait = [_dense_part(g) for g in produced]
-
-    for level in reversed(_checkpoint_levels(region, checkpoints, stop)):
-        active = [ref.deref() for ref in level if d_cp.total(ref.deref()) is not None]
-        if not active:
-            continue
-        produced = run_segment(active, [r.op for r in active],
-                               [d_cp.total(r) for r in active], wait)
-        if produced:
-            wait = [_dense_part(g) for g in produced]
-
-    results = []
-    for x in xs:
-        g = d_cp.result(x) if x.ref() in stop else d_xs.result(x)
-        if g is None and unconnected == tf.UnconnectedGradients.ZERO:
-            g = tf_internal.zeros_for_unconnected(x)
-            ledger.unconnected(g)
-        results.append(g)
-    return results
+    def results(self, unconnected):
+        """One gradient (or None, or zeros with ``unconnected`` ZERO) per x."""
+        results = []
+        for x in self.region.xs:
+            g = self.d_cp.result(x) if x.ref() in self.stop else self.d_xs.result(x)
+            if g is None and unconnected == tf.UnconnectedGradients.ZERO:
+                g = tf_internal.zeros_for_unconnected(x)
+                self.ledger.unconnected(g)
+            results.append(g)
+        return results
 
 
 def _segment_stops(read_cp, user_stops, copies, barred):
@@ -439,8 +487,9 @@ def _dense_part(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
-def _barred_reads(ops, stop, read_as, region, wait_for, segment):
-    """``{ref: barrier output}`` for the float tensors ``ops`` read from outside.
+def _barred_reads(ordered, ops, stop, read_as, region, wait_for, segment):
+    """``{ref: barrier output}`` for the float tensors ``ops`` read from outside
+    (``ordered``: the same ops in creation order).
 
     Checkpoints and float tensors computed outside the region (the batch)
     go through one barrier together with the float ones of ``wait_for``
@@ -453,7 +502,7 @@ def _barred_reads(ops, stop, read_as, region, wait_for, segment):
     """
     xs = {x.ref() for x in region.xs}
     reads = {}
-    for op in ops:
+    for op in ordered:
         for t in op.inputs:
             if t.op in ops or not t.dtype.is_floating:
                 continue

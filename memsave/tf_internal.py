@@ -15,6 +15,8 @@ in the middle of a rewrite. A TensorFlow whose major.minor version is not
 pinned TensorFlow.
 """
 
+import functools
+import importlib
 import logging
 
 import tensorflow as tf
@@ -36,25 +38,25 @@ def _missing_message(what, error):
 
 
 try:
-    from tensorflow.python import pywrap_tfe as _pywrap_tfe
-    from tensorflow.python.client import session as _session
-    from tensorflow.python.eager import record as _record
-    from tensorflow.python.eager import tape as _tape_lib
-    from tensorflow.python.framework import composite_tensor_gradient as _ct_gradient
-    from tensorflow.python.framework import func_graph as _func_graph
-    from tensorflow.python.framework import op_def_registry as _op_def_registry
-    from tensorflow.python.framework import ops as _ops
-    from tensorflow.compiler.tf2xla.ops import gen_xla_ops as _gen_xla_ops
-    from tensorflow.python.ops import control_flow_util as _cf_util_v1
-    from tensorflow.python.ops import control_flow_util_v2 as _cf_util
-    from tensorflow.python.ops import default_gradient as _default_gradient
-    from tensorflow.python.ops import gradients as _gradients
-    from tensorflow.python.ops import gradients_impl as _gradients_impl
-    from tensorflow.python.ops import gradients_util as _gradients_util
-    from tensorflow.python.ops import handle_data_util as _handle_data_util
-    from tensorflow.python.ops import ref_variable as _ref_variable
-    from tensorflow.python.util import variable_utils as _variable_utils
-    from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+    import tensorflow.python.pywrap_tfe
+    import tensorflow.python.client.session
+    import tensorflow.python.eager.record
+    import tensorflow.python.eager.tape
+    import tensorflow.python.framework.composite_tensor_gradient
+    import tensorflow.python.framework.func_graph
+    import tensorflow.python.framework.op_def_registry
+    import tensorflow.python.framework.ops
+    import tensorflow.compiler.tf2xla.ops.gen_xla_ops
+    import tensorflow.python.ops.control_flow_util
+    import tensorflow.python.ops.control_flow_util_v2
+    import tensorflow.python.ops.default_gradient
+    import tensorflow.python.ops.gradients
+    import tensorflow.python.ops.gradients_impl
+    import tensorflow.python.ops.gradients_util
+    import tensorflow.python.ops.handle_data_util
+    import tensorflow.python.ops.ref_variable
+    import tensorflow.python.util.variable_utils
+    import tensorflow.python.ops.resource_variable_ops
 except ImportError as _e:
     raise ImportError(_missing_message("module %s" % (_e.name or ""), _e)) from _e
 
@@ -102,167 +104,131 @@ def _probe(kind):
     return _probes[kind]
 
 
-def _assigned_in(function, name):
-    """A getter checking that ``function`` sets the attribute ``name``."""
-    def get():
-        if name not in function.__code__.co_names:
-            raise AttributeError("%s no longer sets %s" % (function.__qualname__, name))
-        return True
-    return get
+def _lookup(path):
+    """The module attribute ``path`` names (a dotted path; its module is imported above)."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _need_symbols(table):
+    """:func:`_need` the ``path`` of each row ``(export, path)`` of ``table`` in
+    order; the exports (rows whose ``export`` is not None) are returned by name."""
+    found = {}
+    for export, path in table:
+        value = _need(path, functools.partial(_lookup, path))
+        if export is not None:
+            found[export] = value
+    return found
+
+
+def _need_attributes(table):
+    """:func:`_need` each private attribute of rows ``(label, owner, names)``: the
+    owner is a class, or a function giving a probe object; the label names it."""
+    for label, owner, names in table:
+        for name in names:
+            _need("%s.%s" % (label, name), _has(owner, name))
 
 
 # ---------------------------------------------------------------------------
-# Classes and functions.
+# Classes and functions: (the name memsave uses, what it is), each with the
+# reason no public API does the job. Rows named None are not used through
+# this module but must exist: memsave.patch() patches them.
 
-# The class of eager tensors: tf.__internal__.EagerTensor is private too, and
-# tf.is_symbolic_tensor differs (it is also true for Keras symbolic tensors).
-EagerTensor = _need("tensorflow.python.framework.ops.EagerTensor", lambda: _ops.EagerTensor)
-
-# The graph class of tf.function / control-flow bodies (captures, outer_graph);
-# only tf.__internal__.FuncGraph, which is private too.
-FuncGraph = _need("tensorflow.python.framework.func_graph.FuncGraph",
-                  lambda: _func_graph.FuncGraph)
-
-# The common base of tf.compat.v1.Session and InteractiveSession; not exported.
-BaseSession = _need("tensorflow.python.client.session.BaseSession",
-                    lambda: _session.BaseSession)
-
-# Resource handle dtype/shape metadata (what a variable handle reads as) has
-# no public API; copies of ops must carry it or variable reads lose shapes.
-copy_handle_data = _need("tensorflow.python.ops.handle_data_util.copy_handle_data",
-                         lambda: _handle_data_util.copy_handle_data)
-
-# True for resource variables (and Keras/distributed wrappers of them); only
-# tf.__internal__.ops.is_resource_variable, which is private too.
-is_resource_variable = _need(
-    "tensorflow.python.ops.resource_variable_ops.is_resource_variable",
-    lambda: _resource_variable_ops.is_resource_variable)
-
-# Rebuilding a control-flow body (FuncGraph) from a While/If/Case function
-# attribute, as TF's own gradient does; no public API.
-get_func_graph = _need("tensorflow.python.ops.control_flow_util_v2.get_func_graph",
-                       lambda: _cf_util.get_func_graph)
-
-# Registering a FuncGraph as a function of its outer graph (the way while_v2
-# and cond_v2 do); no public API.
-create_new_tf_function = _need(
-    "tensorflow.python.ops.control_flow_util_v2.create_new_tf_function",
-    lambda: _cf_util.create_new_tf_function)
-
-# A function name unique in the default graph's library; no public API.
-unique_fn_name = _need("tensorflow.python.ops.control_flow_util_v2.unique_fn_name",
-                       lambda: _cf_util.unique_fn_name)
-
-# The OpDef of a registered op type (is it stateful?); no public registry lookup.
-get_op_def = _need("tensorflow.python.framework.op_def_registry.get",
-                   lambda: _op_def_registry.get)
-
-# The gradient function registered for an op (None when it has none); no
-# public lookup (tf.RegisterGradient only registers).
-get_gradient_function = _need("tensorflow.python.framework.ops.get_gradient_function",
-                              lambda: _ops.get_gradient_function)
-
-# tf.gradients' implementation below every public entry point; memsave
-# patches the public ones, so it must call this one to never recurse.
-gradients_helper = _need("tensorflow.python.ops.gradients_util._GradientsHelper",
-                         lambda: _gradients_util._GradientsHelper)  # pylint: disable=protected-access
-
-# The zeros tf.gradients gives an unconnected x with UnconnectedGradients.ZERO
-# (a resource handle gets its variable's shape and dtype); no public API.
-zeros_for_unconnected = _need("tensorflow.python.ops.gradients_util._ZerosLike",
-                              lambda: _gradients_util._ZerosLike)  # pylint: disable=protected-access
-
-# The zeros tf.GradientTape gives an unconnected source with ZERO (resource
-# handles respected); no public API.
-default_zeros_like = _need("tensorflow.python.ops.default_gradient.zeros_like",
-                           lambda: _default_gradient.zeros_like)
-
-# Pause every active tape (tf.GradientTape.stop_recording pauses one tape).
-stop_recording = _need("tensorflow.python.eager.record.stop_recording",
-                       lambda: _record.stop_recording)
-
-# Would the active tapes record an op reading these tensors? No public API.
-should_record_backprop = _need("tensorflow.python.eager.record.should_record_backprop",
-                               lambda: _record.should_record_backprop)
-
-# Is any tape active at all? No public API.
-could_possibly_record = _need("tensorflow.python.eager.record.could_possibly_record",
-                              lambda: _record.could_possibly_record)
-
-# Pushing/popping a C++ tape on the thread's tape stack (to ask it what it
-# tracked); no public API.
-push_tape = _need("tensorflow.python.eager.tape.push_tape", lambda: _tape_lib.push_tape)
-pop_tape = _need("tensorflow.python.eager.tape.pop_tape", lambda: _tape_lib.pop_tape)
-
-# Is the tape stack paused (inside a stop_recording block)? Only in the C API.
-tape_set_is_stopped = _need("tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsStopped",
-                            lambda: _pywrap_tfe.TFE_Py_TapeSetIsStopped)
-
-# What GradientTape.gradient does with composite output_gradients; no public API.
-get_flat_tensors_for_gradients = _need(
-    "tensorflow.python.framework.composite_tensor_gradient.get_flat_tensors_for_gradients",
-    lambda: _ct_gradient.get_flat_tensors_for_gradients)
-
-# What GradientTape.gradient does with variables in output_gradients; no public API.
-convert_variables_to_tensors = _need(
-    "tensorflow.python.util.variable_utils.convert_variables_to_tensors",
-    lambda: _variable_utils.convert_variables_to_tensors)
-
-# Is the graph being traced for XLA (tf.function(jit_compile=True), Keras
-# jit_compile=True), it or a graph enclosing it? tf.function marks the trace
-# with an XLA control-flow context; no public API reads it.
-graph_compiled_by_xla = _need(
-    "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext",
-    lambda: _cf_util_v1.GraphOrParentsInXlaContext)
-
-# XLA's optimization barrier (jax.lax.optimization_barrier; what
-# jax.checkpoint(prevent_cse=True) uses): XLA neither merges nor moves
-# computation across it. Only the compiler's generated wrapper builds it
-# (tf.raw_ops lacks it); memsave inserts it only where XLA compiles the step.
-xla_optimization_barrier = _need(
-    "tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier",
-    lambda: _gen_xla_ops.xla_optimization_barrier)
-
-# The modules memsave.patch() patches besides tf and tf.compat.v1:
-# tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.
-gradients_impl_module = _need("tensorflow.python.ops.gradients_impl", lambda: _gradients_impl)
-gradients_module = _need("tensorflow.python.ops.gradients", lambda: _gradients)
-_need("tensorflow.python.ops.gradients_impl.gradients", lambda: _gradients_impl.gradients)
-_need("tensorflow.python.ops.gradients_impl.gradients_v2",
-      lambda: _gradients_impl.gradients_v2)
-_need("tensorflow.python.ops.gradients.gradients", lambda: _gradients.gradients)
+_SYMBOLS_TABLE = (
+    # The class of eager tensors: tf.__internal__.EagerTensor is private too, and
+    # tf.is_symbolic_tensor differs (it is also true for Keras symbolic tensors).
+    ("EagerTensor", "tensorflow.python.framework.ops.EagerTensor"),
+    # The graph class of tf.function / control-flow bodies (captures, outer_graph);
+    # only tf.__internal__.FuncGraph, which is private too.
+    ("FuncGraph", "tensorflow.python.framework.func_graph.FuncGraph"),
+    # The common base of tf.compat.v1.Session and InteractiveSession; not exported.
+    ("BaseSession", "tensorflow.python.client.session.BaseSession"),
+    # Resource handle dtype/shape metadata (what a variable handle reads as) has
+    # no public API; copies of ops must carry it or variable reads lose shapes.
+    ("copy_handle_data", "tensorflow.python.ops.handle_data_util.copy_handle_data"),
+    # True for resource variables (and Keras/distributed wrappers of them); only
+    # tf.__internal__.ops.is_resource_variable, which is private too.
+    ("is_resource_variable", "tensorflow.python.ops.resource_variable_ops.is_resource_variable"),
+    # Rebuilding a control-flow body (FuncGraph) from a While/If/Case function
+    # attribute, as TF's own gradient does; no public API.
+    ("get_func_graph", "tensorflow.python.ops.control_flow_util_v2.get_func_graph"),
+    # Registering a FuncGraph as a function of its outer graph (the way while_v2
+    # and cond_v2 do); no public API.
+    ("create_new_tf_function", "tensorflow.python.ops.control_flow_util_v2.create_new_tf_function"),
+    # A function name unique in the default graph's library; no public API.
+    ("unique_fn_name", "tensorflow.python.ops.control_flow_util_v2.unique_fn_name"),
+    # The OpDef of a registered op type (is it stateful?); no public registry lookup.
+    ("get_op_def", "tensorflow.python.framework.op_def_registry.get"),
+    # The gradient function registered for an op (None when it has none); no
+    # public lookup (tf.RegisterGradient only registers).
+    ("get_gradient_function", "tensorflow.python.framework.ops.get_gradient_function"),
+    # tf.gradients' implementation below every public entry point; memsave
+    # patches the public ones, so it must call this one to never recurse.
+    ("gradients_helper", "tensorflow.python.ops.gradients_util._GradientsHelper"),
+    # The zeros tf.gradients gives an unconnected x with UnconnectedGradients.ZERO
+    # (a resource handle gets its variable's shape and dtype); no public API.
+    ("zeros_for_unconnected", "tensorflow.python.ops.gradients_util._ZerosLike"),
+    # The zeros tf.GradientTape gives an unconnected source with ZERO (resource
+    # handles respected); no public API.
+    ("default_zeros_like", "tensorflow.python.ops.default_gradient.zeros_like"),
+    # Pause every active tape (tf.GradientTape.stop_recording pauses one tape).
+    ("stop_recording", "tensorflow.python.eager.record.stop_recording"),
+    # Would the active tapes record an op reading these tensors? No public API.
+    ("should_record_backprop", "tensorflow.python.eager.record.should_record_backprop"),
+    # Is any tape active at all? No public API.
+    ("could_possibly_record", "tensorflow.python.eager.record.could_possibly_record"),
+    # Pushing/popping a C++ tape on the thread's tape stack (to ask it what it
+    # tracked); no public API.
+    ("push_tape", "tensorflow.python.eager.tape.push_tape"),
+    ("pop_tape", "tensorflow.python.eager.tape.pop_tape"),
+    # Is the tape stack paused (inside a stop_recording block)? Only in the C API.
+    ("tape_set_is_stopped", "tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsStopped"),
+    # What GradientTape.gradient does with composite output_gradients; no public API.
+    ("get_flat_tensors_for_gradients",
+     "tensorflow.python.framework.composite_tensor_gradient.get_flat_tensors_for_gradients"),
+    # What GradientTape.gradient does with variables in output_gradients; no public API.
+    ("convert_variables_to_tensors",
+     "tensorflow.python.util.variable_utils.convert_variables_to_tensors"),
+    # Is the graph being traced for XLA (tf.function(jit_compile=True), Keras
+    # jit_compile=True), it or a graph enclosing it? tf.function marks the trace
+    # with an XLA control-flow context; no public API reads it.
+    ("graph_compiled_by_xla", "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext"),
+    # XLA's optimization barrier (jax.lax.optimization_barrier; what
+    # jax.checkpoint(prevent_cse=True) uses): XLA neither merges nor moves
+    # computation across it. Only the compiler's generated wrapper builds it
+    # (tf.raw_ops lacks it); memsave inserts it only where XLA compiles the step.
+    ("xla_optimization_barrier",
+     "tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier"),
+    # The modules memsave.patch() patches besides tf and tf.compat.v1:
+    # tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.
+    ("gradients_impl_module", "tensorflow.python.ops.gradients_impl"),
+    ("gradients_module", "tensorflow.python.ops.gradients"),
+    (None, "tensorflow.python.ops.gradients_impl.gradients"),
+    (None, "tensorflow.python.ops.gradients_impl.gradients_v2"),
+    (None, "tensorflow.python.ops.gradients.gradients"),
+)
+globals().update(_need_symbols(_SYMBOLS_TABLE))
 
 # Patchable modules by a short name (for memsave.patching's patch points).
 PATCHABLE_MODULES = {"gradients_impl": gradients_impl_module, "gradients": gradients_module}
 
 
 # ---------------------------------------------------------------------------
-# Private attributes, each behind a small named helper.
+# Private attributes, each behind a small named helper below.
 
-_need("tf.Operation._id", _has(tf.Operation, "_id"))
-_need("tf.Operation._add_control_inputs", _has(tf.Operation, "_add_control_inputs"))
-_need("tf.Operation._add_control_input", _has(tf.Operation, "_add_control_input"))
-_need("tf.Operation._control_outputs", _has(tf.Operation, "_control_outputs"))
-_need("tf.Operation._set_device", _has(tf.Operation, "_set_device"))
-_need("tf.Operation._input_types", _has(tf.Operation, "_input_types"))
-_need("tf.Operation._update_input", _has(tf.Operation, "_update_input"))
-_need("tf.Operation()._gradient_function", _has(lambda: _probe("op"), "_gradient_function"))
-_need("tf.Graph._create_op_internal", _has(tf.Graph, "_create_op_internal"))
-_need("tf.Graph._mutation_lock", _has(tf.Graph, "_mutation_lock"))
-_need("tf.Graph._get_function", _has(tf.Graph, "_get_function"))
-_need("tf.Graph._is_function", _has(tf.Graph, "_is_function"))
-_need("tf.Graph._add_function_recursive", _has(tf.Graph, "_add_function_recursive"))
-_need("tf.Graph()._functions", _has(lambda: _probe("graph"), "_functions"))
-_need("tf.Graph()._add_control_dependencies",
-      _has(lambda: _probe("graph"), "_add_control_dependencies"))
-_need("RefVariable._ref", _has(_ref_variable.RefVariable, "_ref"))
-_need("BaseSession()._closed", _assigned_in(_session.BaseSession.__init__, "_closed"))
-_need("tf.GradientTape()._tape", _has(lambda: _probe("tape"), "_tape"))
-_need("tf.GradientTape()._recording", _has(lambda: _probe("tape"), "_recording"))
-_need("tf.GradientTape()._persistent", _has(lambda: _probe("tape"), "_persistent"))
-_need("tf.GradientTape()._watched_variables",
-      _has(lambda: _probe("tape"), "_watched_variables"))
-_need("tf.GradientTape._pop_tape", _has(tf.GradientTape, "_pop_tape"))
+_need_attributes((
+    ("tf.Operation", tf.Operation, ("_id", "_add_control_inputs", "_add_control_input",
+                                    "_control_outputs", "_set_device", "_input_types",
+                                    "_update_input")),
+    ("tf.Operation()", lambda: _probe("op"), ("_gradient_function",)),
+    ("tf.Graph", tf.Graph, ("_create_op_internal", "_mutation_lock", "_get_function",
+                            "_is_function", "_add_function_recursive")),
+    ("tf.Graph()", lambda: _probe("graph"), ("_functions", "_add_control_dependencies")),
+    ("RefVariable", _lookup("tensorflow.python.ops.ref_variable.RefVariable"), ("_ref",)),
+    ("tf.GradientTape()", lambda: _probe("tape"),
+     ("_tape", "_recording", "_persistent", "_watched_variables")),
+    ("tf.GradientTape", tf.GradientTape, ("_pop_tape",)),
+))
 
 
 def op_id(op):
@@ -366,11 +332,6 @@ def orders_stateful_ops_by_creation(graph):
 def ref_variable_tensor(variable):
     """The ref tensor of a TF1 reference variable (what tf.gradients differentiates)."""
     return variable._ref()  # pylint: disable=protected-access
-
-
-def session_closed(session):
-    """True once ``session`` (a BaseSession) is closed (no public flag)."""
-    return getattr(session, "_closed", True)
 
 
 def tape_handle(tape):

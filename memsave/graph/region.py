@@ -7,6 +7,7 @@ all the planners see; op types become neutral flags through
 :mod:`memsave.graph.optable`.
 """
 
+import collections
 import dataclasses
 import logging
 
@@ -306,8 +307,24 @@ def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
         return shapes.get(t.name, t.shape)
 
     g = PlanGraph()
-    saved, reads_output = set(), set()
     reads = backprop_reads(region)
+    marks = _marks(region, reads, compiled)
+    _add_leaf_xs(g, region.leaf_xs, shape_of, batch_size)
+    g.unknown_dims = _add_region_tensors(g, region, reads, marks, shape_of, batch_size)
+    return g
+
+
+# Names of region tensors by what the planning graph flags on them: ``saved``
+# (some gradient reads it), ``reads_output`` (its producer's gradient reads
+# it), the ys, the forced, ``read_in_place`` (inputs of pinned ops) and
+# ``fused`` (kept inside an XLA fusion, see fused_under_xla).
+_Marks = collections.namedtuple("_Marks", "saved reads_output ys forced read_in_place fused")
+
+
+def _marks(region, reads, compiled):
+    """What :func:`to_plan_graph` flags, by tensor name, from ``reads``
+    (:func:`backprop_reads`) and the region."""
+    saved, reads_output = set(), set()
     for op in region.order:
         ins, outs = reads[op]
         saved.update(t.name for t in ins if differentiable(t))
@@ -320,44 +337,60 @@ def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
     read_in_place = {t.name for op in region.pinned for t in op.inputs}
     fused = fused_under_xla(region) if compiled else set()
     saved -= fused
-    leaf_xs = region.leaf_xs
+    return _Marks(saved, reads_output, y_names, forced, read_in_place, fused)
+
+
+def _add_leaf_xs(g, leaf_xs, shape_of, batch_size):
+    """The xs, first (negative ``order``): their bytes are not counted, the
+    gradient pieces their readers send them are."""
     for i, x in enumerate(leaf_xs):
         elements = num_elements(shape_of(x), batch_size or 1)
         g.add_tensor(x.name, order=-len(leaf_xs) + i, elements=num_elements(x.shape),
                      op_type=x.op.type, x=True,
                      grad_bytes=(elements * x.dtype.size
                                  if differentiable(x) and elements is not None else None))
-    x_names = {x.name for x in leaf_xs}
+
+
+def _add_region_tensors(g, region, reads, marks, shape_of, batch_size):
+    """Add every region op's outputs in topological order, with edges from the
+    op's region (or x) inputs; returns how many have a shape not fully known."""
+    x_names = {x.name for x in region.leaf_xs}
     index, unknown = 0, 0
     for op in region.order:
         cost = op_cost(op, shape_of)
         kind = optable.flags(op.type)
-        # A variable read aliases the variable's buffer: no activation memory.
-        alias = kind["input_read"]
         for t in op.outputs:
             shape = shape_of(t)
-            n = num_elements(shape, batch_size or 1)
-            size = None if n is None else n * max(t.dtype.size, 1)
-            g.add_tensor(t.name, order=index, elements=n,
-                         sized_exactly=shape.is_fully_defined() or bool(batch_size),
-                         bytes=0 if alias else size,
-                         grad_bytes=size if alias and differentiable(t) else None,
-                         cost=0.0 if t.name in fused else float(cost), op_type=op.type,
-                         y=t.name in y_names,
-                         forced=t.name in forced, saved=t.name in saved,
-                         grad_reads_output=t.name in reads_output,
-                         grad_reads_inputs=bool(reads[op][0]),
-                         candidate=(differentiable(t) and t.name not in y_names
-                                    and t.name not in forced and op not in region.pinned
-                                    and not alias),
-                         offloadable=(differentiable(t) and t.name not in y_names and not alias
-                                      and t.name not in read_in_place),
-                         **kind)
+            g.add_tensor(t.name, order=index, **_output_fields(
+                t, op, shape, cost, kind, reads, marks, region, batch_size))
             index += 1
             if not shape.is_fully_defined():
                 unknown += 1
             for i in op.inputs:
                 if i.op in region.ops or i.name in x_names:
                     g.add_edge(i.name, t.name)
-    g.unknown_dims = unknown
-    return g
+    return unknown
+
+
+def _output_fields(t, op, shape, cost, kind, reads, marks, region, batch_size):
+    """The :class:`~memsave.planning.dag.TensorNode` fields of ``t``, an
+    output of ``op`` (``kind``: its :func:`optable.flags`)."""
+    # A variable read aliases the variable's buffer: no activation memory.
+    alias = kind["input_read"]
+    n = num_elements(shape, batch_size or 1)
+    size = None if n is None else n * max(t.dtype.size, 1)
+    return dict(elements=n,
+                sized_exactly=shape.is_fully_defined() or bool(batch_size),
+                bytes=0 if alias else size,
+                grad_bytes=size if alias and differentiable(t) else None,
+                cost=0.0 if t.name in marks.fused else float(cost), op_type=op.type,
+                y=t.name in marks.ys,
+                forced=t.name in marks.forced, saved=t.name in marks.saved,
+                grad_reads_output=t.name in marks.reads_output,
+                grad_reads_inputs=bool(reads[op][0]),
+                candidate=(differentiable(t) and t.name not in marks.ys
+                           and t.name not in marks.forced and op not in region.pinned
+                           and not alias),
+                offloadable=(differentiable(t) and t.name not in marks.ys and not alias
+                             and t.name not in marks.read_in_place),
+                **kind)

@@ -37,24 +37,18 @@ def backward_ops(seeds, stop_at=(), within=None, control=False, stopped=None):
     tensors the walk ran into are put in it, keyed by ref.
     """
     stop = stop_at if isinstance(stop_at, (set, frozenset, dict)) else refs(stop_at)
-    seeds = [as_op(s) for s in seeds]
-    seen = set()
-    stack = [op for op in seeds if within is None or op in within]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
+
+    def producers(op):
         for t in op.inputs:
             if t.ref() in stop:
                 if stopped is not None:
                     stopped[t.ref()] = t
                 continue
-            if within is None or t.op in within:
-                stack.append(t.op)
+            yield t.op
         if control:
-            stack.extend(c for c in op.control_inputs if within is None or c in within)
-    return seen
+            yield from op.control_inputs
+
+    return _walk(seeds, within, producers)
 
 
 def forward_ops(seeds, stop_at=(), within=None, control=False):
@@ -64,6 +58,20 @@ def forward_ops(seeds, stop_at=(), within=None, control=False):
     ``within`` (when given) are neither included nor crossed.
     """
     stop = refs(stop_at)
+
+    def consumers(op):
+        for t in op.outputs:
+            if t.ref() not in stop:
+                yield from t.consumers()
+        if control:
+            yield from tf_internal.control_outputs(op)
+
+    return _walk(seeds, within, consumers)
+
+
+def _walk(seeds, within, neighbours):
+    """The depth-first walk both directions share: ``seeds`` and the ops
+    ``neighbours(op)`` leads to, transitively, never leaving ``within``."""
     seeds = [as_op(s) for s in seeds]
     seen = set()
     stack = [op for op in seeds if within is None or op in within]
@@ -72,13 +80,7 @@ def forward_ops(seeds, stop_at=(), within=None, control=False):
         if op in seen:
             continue
         seen.add(op)
-        for t in op.outputs:
-            if t.ref() in stop:
-                continue
-            stack.extend(c for c in t.consumers() if within is None or c in within)
-        if control:
-            stack.extend(c for c in tf_internal.control_outputs(op)
-                         if within is None or c in within)
+        stack.extend(n for n in neighbours(op) if within is None or n in within)
     return seen
 
 

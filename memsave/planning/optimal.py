@@ -223,6 +223,34 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     and peaks are device peaks; extra time is recomputation plus transfers
     (see :class:`memsave.planning.offload.OffloadModel`).
     """
+    _check_options(budget, offload, max_recompute)
+    model = model or OffloadModel()
+    forced = nodes_where(validate(graph), "forced")
+    prepared = prepare(graph)
+    plain = simulate_peak(graph, (), prepared)
+    limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
+    forward = forward_flops(graph) or 1.0
+    cap = None if max_recompute is None else max_recompute * forward
+    kept_sets = _candidate_kept_sets(graph, prepared, forced, limit, cap,
+                                     model if offload else None)
+    options = _scored_options(graph, prepared, kept_sets, forced, cap, offload, model)
+    if not options and limit is None:
+        # Only plain backprop recomputes nothing at all (forced tensors are
+        # kept there anyway): an empty plan.
+        return Plan("optimal", [], [], int(plain), int(plain),
+                    ["no checkpointed plan recomputes at most %.0f%% of a forward pass: "
+                     "plain backprop" % (100 * max_recompute)], recompute_fraction=0.0)
+    peak, _, kept, off, flops = _choose(options, limit, cap, plain, max_recompute, offload)
+    notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
+    if cap is not None:
+        notes.append("recompute capped at %.0f%% of a forward pass" % (100 * max_recompute))
+    return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
+                recompute_fraction=flops / forward,
+                offloaded=off, host_bytes=host_bytes(graph, off))
+
+
+def _check_options(budget, offload, max_recompute):
+    """Refuse options :func:`optimal` cannot honour before any planning work."""
     if budget is not None and budget <= 0:
         raise ValueError("budget must be > 0 (bytes, or a fraction of the plain peak), got %r"
                          % (budget,))
@@ -233,21 +261,20 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
             max_recompute, (int, float)) or max_recompute < 0):
         raise ValueError("max_recompute must be a fraction of one forward pass >= 0 (0.1: at "
                          "most 10%% extra forward FLOPs), got %r" % (max_recompute,))
-    model = model or OffloadModel()
-    forced = nodes_where(validate(graph), "forced")
-    prepared = prepare(graph)
-    plain = simulate_peak(graph, (), prepared)
-    limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
-    forward = forward_flops(graph) or 1.0
-    cap = None if max_recompute is None else max_recompute * forward
+
+
+def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model):
+    """Kept sets worth simulating: the DP's most promising plans, plain
+    backprop, the 'memory' spacing and, under a cap or budget, selective
+    recomputation. ``offload_model`` is set when offloading is tried."""
     # The DP's own estimate (kept + largest segment) ranks candidates; only
     # the promising ones are simulated.
     candidates = plans(graph, prefer_speed=limit is not None or cap is not None,
-                       offload_model=model if offload else None, prepared=prepared)
+                       offload_model=offload_model, prepared=prepared)
     if cap is not None:
         candidates = [c for c in candidates if c[1] <= cap]
     # (The DP's estimate ignores offloading: with it, every candidate is simulated.)
-    if not offload:
+    if offload_model is None:
         if limit is None:
             candidates = candidates[:6]
         else:
@@ -268,7 +295,12 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
         kept_sets += _selective(graph, prepared, cap=cap)
     if limit is not None:
         kept_sets += _selective(graph, prepared, limit=limit, forced=forced)
+    return kept_sets
 
+
+def _scored_options(graph, prepared, kept_sets, forced, cap, offload, model):
+    """(simulated peak, seconds, kept, offloaded, recomputed FLOPs) for each kept
+    set under the cap, and with ``offload`` for each way of offloading it."""
     options = []
     for kept in kept_sets:
         everything = set(kept) | set(forced)
@@ -284,28 +316,21 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
         for off in dict.fromkeys(choices):
             peak = simulate_peak(graph, everything, prepared, off, prefetch=model.prefetch)
             options.append((peak, model.seconds(graph, flops, off), kept, list(off), flops))
-    if not options and limit is None:
-        # Only plain backprop recomputes nothing at all (forced tensors are
-        # kept there anyway): an empty plan.
-        return Plan("optimal", [], [], int(plain), int(plain),
-                    ["no checkpointed plan recomputes at most %.0f%% of a forward pass: "
-                     "plain backprop" % (100 * max_recompute)], recompute_fraction=0.0)
+    return options
+
+
+def _choose(options, limit, cap, plain, max_recompute, offload):
+    """The lowest peak without a budget; with one, the least time among those
+    that fit it (:class:`BudgetError` when none does)."""
     if limit is None:
-        peak, _, kept, off, flops = min(options, key=lambda p: (p[0], p[1]))
-    else:
-        fitting = [p for p in options if p[0] <= limit]
-        if not fitting:
-            raise BudgetError(
-                "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
-                "(plain: %.1f MB)%s" % (
-                    limit / 2**20, "" if cap is None else
-                    " recomputing at most %.0f%% of a forward pass" % (100 * max_recompute),
-                    "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
-                    plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
-        peak, _, kept, off, flops = min(fitting, key=lambda p: (p[1], p[0]))
-    notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
-    if cap is not None:
-        notes.append("recompute capped at %.0f%% of a forward pass" % (100 * max_recompute))
-    return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
-                recompute_fraction=flops / forward,
-                offloaded=off, host_bytes=host_bytes(graph, off))
+        return min(options, key=lambda p: (p[0], p[1]))
+    fitting = [p for p in options if p[0] <= limit]
+    if not fitting:
+        raise BudgetError(
+            "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
+            "(plain: %.1f MB)%s" % (
+                limit / 2**20, "" if cap is None else
+                " recomputing at most %.0f%% of a forward pass" % (100 * max_recompute),
+                "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
+                plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
+    return min(fitting, key=lambda p: (p[1], p[0]))

@@ -229,62 +229,105 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     ahead = [sum(size[q] for q in nxt if q in off and q not in cur) if prefetch else 0
              for cur, nxt in zip(reads, reads[1:] + [set()])]
 
-    alive_kept = sum(size[n] for n in kept if n not in off)
-    grad_sums = {}
-    freed = set()
-    peak = alive_kept
-    # Gradients of xs: pieces wait for the segment's last one (TF sums a
-    # tensor's pieces with one AddN), then one running sum per x lives on.
-    held, totals = 0, set()
-    for i, ((name, boundary, members), touched) in enumerate(zip(segments, reads)):
-        saved = sum(size[n] for n in members if p.saved[n])
-        flight = {b: (grad_sums.pop(b, size[b]) if b in kept else size[b]) for b in boundary}
-        in_flight = sum(flight.values())
-        sums = sum(grad_sums.values())
-        peak = max(peak, alive_kept + sums + saved + in_flight + swap_fwd[i] + held)
-        left = collections.Counter(root for n in members for root, _ in p.pieces[n])
-        pending = collections.Counter()
-        swapped = swap_bwd[i]
-        for step, n in enumerate(reversed(members)):
-            if step == len(members) - 1:
-                swapped += ahead[i]   # the next segment's swap-ins arrive
-            g = flight.pop(n, 0)
-            in_flight -= g
-            early = [q for q in early_free.get(n, ()) if q not in kept]
-            if early:   # the weight gradient runs first and frees its input
-                peak = max(peak, alive_kept + sums + saved + in_flight + g + swapped + held)
-                saved -= sum(size[q] for q in early)
-                freed.update(early)
-            partials = 0
-            for q in p.preds[n]:
-                if q in kept:
-                    if q in grad_sums:
-                        partials += size[q]  # added into the running sum, then freed
-                    else:
-                        grad_sums[q] = size[q]
-                        sums += size[q]
-                elif q not in flight:
-                    flight[q] = size[q]
-                    in_flight += size[q]
-            for root, nbytes in p.pieces[n]:
-                pending[root] += nbytes
-                held += nbytes
-            base = alive_kept + sums + saved + in_flight + g + partials + swapped
-            peak = max(peak, base + held)
-            for root, nbytes in p.pieces[n]:
-                left[root] -= 1
-                if left[root] == 0 and pending[root]:
-                    # The segment's sum (and the new running sum) appear while
-                    # the pieces are still alive.
-                    peak = max(peak, base + held + nbytes)
-                    held -= pending.pop(root)
-                    if root not in totals:
-                        totals.add(root)
-                        held += nbytes
-            if p.saved[n] and n not in freed:
-                saved -= size[n]
+    sim = _Backward(p, kept, off, early_free)
+    for i, ((_, boundary, members), touched) in enumerate(zip(segments, reads)):
+        sim.segment(boundary, members, swap_fwd[i], swap_bwd[i], ahead[i])
         for k in touched:
             readers[k] -= 1
             if readers[k] == 0 and k not in off:
-                alive_kept -= size[k]
-    return int(peak)
+                sim.alive_kept -= size[k]
+    return int(sim.peak)
+
+
+class _Backward:
+    """Device memory through a simulated backward pass, segment by segment.
+
+    Across segments it tracks the kept tensors still alive, the running
+    gradient sums of kept tensors, and the gradient pieces of the xs (they
+    wait for the segment's last one: TF sums a tensor's pieces with one
+    AddN, then one running sum per x lives on). Within a segment: its saved
+    activations, gradients in flight, and the pieces pending per x.
+    """
+
+    def __init__(self, p, kept, off, early_free):
+        self.p, self.kept, self.early_free = p, kept, early_free
+        self.alive_kept = sum(p.size[n] for n in kept if n not in off)
+        self.grad_sums = {}
+        self.freed = set()
+        self.peak = self.alive_kept
+        self.held, self.totals = 0, set()
+        # The current segment's (see segment()).
+        self.saved = self.in_flight = self.sums = self.swapped = 0
+        self.flight, self.left, self.pending = {}, collections.Counter(), collections.Counter()
+
+    def _resident(self):
+        """Bytes held whatever the current op: kept, sums, saved, in flight."""
+        return self.alive_kept + self.sums + self.saved + self.in_flight
+
+    def segment(self, boundary, members, swap_fwd, swap_bwd, ahead):
+        """Recompute ``members`` (peak with the segment's swap-ins), then run
+        their backward ops last first; ``ahead``: the next segment's swap-ins."""
+        p, size, kept = self.p, self.p.size, self.kept
+        self.saved = sum(size[n] for n in members if p.saved[n])
+        self.flight = {b: (self.grad_sums.pop(b, size[b]) if b in kept else size[b])
+                       for b in boundary}
+        self.in_flight = sum(self.flight.values())
+        self.sums = sum(self.grad_sums.values())
+        self.peak = max(self.peak, self._resident() + swap_fwd + self.held)
+        self.left = collections.Counter(root for n in members for root, _ in p.pieces[n])
+        self.pending = collections.Counter()
+        self.swapped = swap_bwd
+        for step, n in enumerate(reversed(members)):
+            if step == len(members) - 1:
+                self.swapped += ahead   # the next segment's swap-ins arrive
+            self._backward_op(n)
+
+    def _backward_op(self, n):
+        """``n``'s backward: consumes its gradient, makes its inputs' and the
+        pieces it sends to xs, then frees ``n`` if it was saved."""
+        p, size = self.p, self.p.size
+        g = self.flight.pop(n, 0)
+        self.in_flight -= g
+        early = [q for q in self.early_free.get(n, ()) if q not in self.kept]
+        if early:   # the weight gradient runs first and frees its input
+            self.peak = max(self.peak, self._resident() + g + self.swapped + self.held)
+            self.saved -= sum(size[q] for q in early)
+            self.freed.update(early)
+        partials = self._input_gradients(n)
+        for root, nbytes in p.pieces[n]:
+            self.pending[root] += nbytes
+            self.held += nbytes
+        base = self._resident() + g + partials + self.swapped
+        self.peak = max(self.peak, base + self.held)
+        self._sum_pieces(n, base)
+        if p.saved[n] and n not in self.freed:
+            self.saved -= size[n]
+
+    def _input_gradients(self, n):
+        """Allocate the gradients ``n``'s backward makes for its inputs; returns
+        the bytes of partials added into running sums (freed right after)."""
+        size, partials = self.p.size, 0
+        for q in self.p.preds[n]:
+            if q in self.kept:
+                if q in self.grad_sums:
+                    partials += size[q]  # added into the running sum, then freed
+                else:
+                    self.grad_sums[q] = size[q]
+                    self.sums += size[q]
+            elif q not in self.flight:
+                self.flight[q] = size[q]
+                self.in_flight += size[q]
+        return partials
+
+    def _sum_pieces(self, n, base):
+        """Sum each x's pieces once ``n`` sent the segment's last one."""
+        for root, nbytes in self.p.pieces[n]:
+            self.left[root] -= 1
+            if self.left[root] == 0 and self.pending[root]:
+                # The segment's sum (and the new running sum) appear while
+                # the pieces are still alive.
+                self.peak = max(self.peak, base + self.held + nbytes)
+                self.held -= self.pending.pop(root)
+                if root not in self.totals:
+                    self.totals.add(root)
+                    self.held += nbytes
