@@ -22,17 +22,15 @@ strategy saves (that is the model-zoo benchmark's job). Writes
 
 import argparse
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
+
+cli.environment()
 
 STRATEGIES = ("optimal", "memory", "speed", "collection")
 MIB = 2 ** 20
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def measure(name):
@@ -126,7 +124,7 @@ def markdown(rows):
 
 def main():
     from benchmarks.zoo_models import MODELS  # pylint: disable=import-outside-toplevel
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -139,9 +137,7 @@ def main():
                              check=True, capture_output=True, text=True).stdout
         rows.extend(json.loads(out.strip().splitlines()[-1]))
         print(markdown([r for r in rows if r["model"] == name]), flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "conformance.json").write_text(json.dumps(rows, indent=1))
-    (RESULTS / "conformance.md").write_text(markdown(rows))
+    cli.write(cli.RESULTS, "conformance", rows, markdown(rows))
 
 
 if __name__ == "__main__":

@@ -12,18 +12,17 @@ The meter is memsave.profile.peak_memory: allocator peak above the pre-step
 baseline, BFC allocator, one inter-op thread, measured on CPU.
 """
 
-import argparse
 import json
 import math
 import os
-import pathlib
 import platform
 import statistics
 import sys
 import time
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
+
+cli.environment()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -33,7 +32,6 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import memsave  # noqa: E402
 from memsave.profile import peak_memory, session_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BATCH, WIDTH = 4096, 64          # one activation = 1 MiB of float32
 ACTIVATION = BATCH * WIDTH * 4
 
@@ -287,30 +285,25 @@ def plot_time(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--demo", action="store_true", help="a subset that runs in minutes")
     parser.add_argument("--depths", type=int, nargs="*")
     parser.add_argument("--repeats", type=int, help="timed pairs per method (5; demo 3)")
     parser.add_argument("--no-peers", action="store_true", help="skip tf.recompute_grad, Grappler")
     parser.add_argument("--stem", help="output file name stem")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     depths = args.depths or ([8, 16, 32, 64, 128] if args.demo else [8, 16, 32, 64, 128, 256])
     methods = ["plain", "memory", "optimal", "speed"]
     repeats = args.repeats or (3 if args.demo else 5)
     rows = run(depths, ["chain", "resnet"], methods, repeats, peers=not args.no_peers)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = args.stem or ("depth_demo" if args.demo else "depth")
     meta = dict(tf_version=tf.__version__, python=platform.python_version(),
                 machine=platform.machine(), processor=platform.processor(),
                 cpus=os.cpu_count(), batch=BATCH, width=WIDTH, activation_bytes=ACTIVATION,
                 meter="allocator peak above pre-step baseline, BFC, 1 inter-op thread, CPU")
     summary = checks(rows)
-    (out / (stem + ".json")).write_text(json.dumps(dict(meta=meta, rows=rows, checks=summary),
-                                                   indent=1))
     table = markdown(rows, methods + ["grappler", "tf.recompute_grad"])
-    (out / (stem + ".md")).write_text(table)
+    out = cli.write(args.out, stem, dict(meta=meta, rows=rows, checks=summary), table)
     plot(rows, out / (stem + ".png"))
     plot_time(rows, out / (stem + "_time.png"))
     print(table)

@@ -15,7 +15,6 @@ and the table gives min / median / max over all workers of all runs.
 Writes ``benchmarks/results/distribute.{json,md}``.
 """
 
-import argparse
 import json
 import os
 import pathlib
@@ -25,9 +24,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks import cli
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multi_worker.py"
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def run_example(batch, workers, steps, tiny=False, timeout=600):
@@ -113,15 +113,14 @@ def markdown(result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--runs", type=int, default=3, help="launches per configuration")
     parser.add_argument("--batches", type=int, nargs="*", default=[16, 8],
                         help="examples per worker (8 is benchmarks/models.py's full size)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method")
     parser.add_argument("--tiny", action="store_true", help="tiny ResNet, one run (tests)")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     start = time.perf_counter()
     from benchmarks.models import machine_info  # pylint: disable=import-outside-toplevel
     meta = machine_info()
@@ -143,11 +142,8 @@ def main(argv=None):
     meta["seconds"] = round(time.perf_counter() - start, 1)
     meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     result = dict(meta=meta, configs=configs)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "distribute.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
-    (out / "distribute.md").write_text(table)
+    out = cli.write(args.out, "distribute", result, table)
     print(table)
     print("wrote distribute.{json,md} in %s (%.0f s)" % (out, meta["seconds"]))
     return result

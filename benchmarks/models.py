@@ -41,8 +41,6 @@ separately, not timed). Plain's own time ratio (plain against itself) shows
 the timing noise. Writes ``benchmarks/results/models.{json,md}``.
 """
 
-import argparse
-import json
 import math
 import os
 import pathlib
@@ -51,8 +49,9 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
+
+cli.environment()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -61,8 +60,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import memsave  # noqa: E402
 from memsave.profile import peak_memory, session_step  # noqa: E402
-from benchmarks.depth import (RESULTS, _grappler_config, recompute_grad_blocks,  # noqa: E402
-                              time_ratio)
+from benchmarks.depth import _grappler_config, recompute_grad_blocks, time_ratio  # noqa: E402
 
 MIB = 2 ** 20
 SESSION_METHODS = ("plain", "memory", "speed", "optimal", "grappler")
@@ -512,27 +510,21 @@ def run(quick=False, out_dir=None, tiny=False, models=MODELS, repeats=None, log=
         result["rows"].extend(rows)
     meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["seconds"] = round(time.perf_counter() - start, 1)
-    out = pathlib.Path(out_dir or RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "models.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
-    (out / "models.md").write_text(table)
+    cli.write(out_dir or cli.RESULTS, "models", result, table)
     result["markdown"] = table
     return result
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller inputs, 3 timed pairs")
     parser.add_argument("--tiny", action="store_true", help="tiny inputs, 1 timed pair (tests)")
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS))
     parser.add_argument("--repeats", type=int, help="timed pairs per method")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick, out_dir=args.out, tiny=args.tiny, models=args.models,
-                 repeats=args.repeats)
-    print(result["markdown"])
-    print("wrote models.{json,md} in %s (%.0f s)" % (args.out, result["meta"]["seconds"]))
+    args = cli.parse(parser, argv)
+    cli.report(run(quick=args.quick, out_dir=args.out, tiny=args.tiny, models=args.models,
+                   repeats=args.repeats), "models", args.out)
 
 
 if __name__ == "__main__":

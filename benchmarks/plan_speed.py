@@ -6,16 +6,15 @@
 Writes ``benchmarks/results/plan_speed.{json,md}``.
 """
 
-import argparse
 import json
 import pathlib
 import time
 
 import numpy as np
 
+from benchmarks import cli
 from memsave.planning import PlanGraph, memory, optimal
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MB = 2**20
 
 
@@ -59,10 +58,9 @@ def unet_like(n_tensors, rng):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--sizes", type=int, nargs="*", default=[1000, 5000, 20000])
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     rng = np.random.RandomState(0)
     rows = []
     for size in args.sizes:

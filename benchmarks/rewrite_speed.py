@@ -22,17 +22,15 @@ recorded with that one run, marked ``slow``, and not repeated. Writes
 ops and the growth exponent between sizes (1 = linear).
 """
 
-import argparse
-import json
 import math
 import os
-import pathlib
 import statistics
 import sys
 import time
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
+
+cli.environment()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -40,7 +38,6 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import memsave  # noqa: E402
-from benchmarks.depth import RESULTS  # noqa: E402
 from benchmarks.models import machine_info  # noqa: E402
 
 BATCH, WIDTH = 128, 16
@@ -155,11 +152,8 @@ def run(quick=False, out_dir=None, sizes=None, runs=3, limit=120.0, log=sys.stde
     meta["seconds"] = round(time.perf_counter() - start, 1)
     meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     result = dict(meta=meta, rows=rows, growth_exponent=growth)
-    out = pathlib.Path(out_dir or RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rewrite_speed.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
-    (out / "rewrite_speed.md").write_text(table)
+    cli.write(out_dir or cli.RESULTS, "rewrite_speed", result, table)
     result["markdown"] = table
     return result
 
@@ -186,18 +180,15 @@ def markdown(result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="1k and 5k ops only")
     parser.add_argument("--sizes", type=int, nargs="*", help="target forward op counts")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--limit", type=float, default=120.0,
                         help="seconds after which a variant is not repeated")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick, out_dir=args.out, sizes=args.sizes, runs=args.runs,
-                 limit=args.limit)
-    print(result["markdown"])
-    print("wrote rewrite_speed.{json,md} in %s (%.0f s)" % (args.out, result["meta"]["seconds"]))
+    args = cli.parse(parser, argv)
+    cli.report(run(quick=args.quick, out_dir=args.out, sizes=args.sizes, runs=args.runs,
+                   limit=args.limit), "rewrite_speed", args.out)
 
 
 if __name__ == "__main__":

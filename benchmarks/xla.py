@@ -19,19 +19,16 @@ the allocator's peak (``tf.config.experimental.get_memory_info``).
 Needs the ``xla`` extra. Writes ``benchmarks/results/xla.{json,md,png}``.
 """
 
-import argparse
-import json
 import os
-import pathlib
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchmarks import cli  # noqa: E402
 from benchmarks import xla_gpu  # noqa: E402  (sets JAX_PLATFORMS before jax loads)
 from benchmarks.zoo import error_line  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = ("chain", "ResNet50", "GPT2")
 STRATEGIES = (("optimal", {}), ("memory", {}), ("speed", {}), ("optimal", {"budget": 0.5}))
 MIB = 2.0 ** 20
@@ -233,20 +230,16 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if not xla_gpu.available():
         print("benchmarks.xla needs the xla extra: pip install -e '.[xla]'", file=sys.stderr)
         return 2
     rows = []
     for name in args.models.split(","):
         rows += measure(name)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "xla.json").write_text(json.dumps({"rows": rows, "chain": CHAIN}, indent=1))
-    (out / "xla.md").write_text(markdown(rows))
+    out = cli.write(args.out, "xla", {"rows": rows, "chain": CHAIN}, markdown(rows))
     plot(rows, out / "xla.png")
     print(markdown(rows))
     return 0

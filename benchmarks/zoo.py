@@ -26,17 +26,16 @@ model: the Pareto front).
 import argparse
 import json
 import logging
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import time
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+cli.environment()
+
 MIB = 2 ** 20
 
 # (label, checkpoints, options); plain first.
@@ -270,12 +269,12 @@ def error_line(error):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=5, help="alternating timing pairs")
     parser.add_argument("--quick", action="store_true", help="small sizes, one process")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(cli.RESULTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -289,15 +288,11 @@ def main(argv=None):
             print("%s, process %d/%d" % (name, i + 1, processes), file=sys.stderr, flush=True)
             runs.append(_run_child(name, args.quick, args.pairs))
     summary = _summary(runs)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     stem = "zoo_quick" if args.quick else "zoo"
-    (out / (stem + ".json")).write_text(json.dumps(
-        {"machine": machine, "runs": runs, "summary": summary}, indent=1))
     text = markdown(summary, "CPU (%s, %d cores), TensorFlow %s" % (
         machine["processor"], machine["cpus"], machine["tf_version"]))
-    (out / (stem + ".md")).write_text(text)
+    out = cli.write(args.out, stem, {"machine": machine, "runs": runs, "summary": summary}, text)
     plot(summary, out / (stem + ".png"))
     print(text)
     return 0
