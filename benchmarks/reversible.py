@@ -10,7 +10,7 @@ gradients w.r.t. every weight:
 * ``plain tape``: ``seq(x, store_activations=True)``, every activation on
   the tape;
 * ``reversible``: ``seq(x)``, inputs reconstructed in the backward pass;
-* ``reversible, checked``: ``check_inverse=True, fallback='store'``
+* ``reversible, checked``: ``check_inverse=True, store_drifted=True``
   (a drift check of every block in every step; nothing drifts, so nothing
   is stored).
 
@@ -20,17 +20,16 @@ memsave.profile.peak_memory: allocator peak above the pre-step baseline,
 BFC allocator, one inter-op thread, CPU.
 """
 
-import argparse
 import json
 import os
-import pathlib
 import platform
 import statistics
 import sys
 import time
 
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from benchmarks import cli
+
+cli.environment()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -40,7 +39,6 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 from memsave import reversible as R  # noqa: E402
 from memsave.profile import peak_memory  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 BATCH, WIDTH = 4096, 64          # one activation = 1 MiB of float32
 ACTIVATION = BATCH * WIDTH * 4
 MB = 2 ** 20
@@ -79,7 +77,7 @@ def revnet_step(n, store, **seq_kwargs):
 def build_step(n, method):
     checked = method == "reversible, checked"
     return revnet_step(n, method == "plain tape", check_inverse=checked,
-                       fallback="store" if checked else None)
+                       store_drifted=checked)
 
 
 def step_ms(step, repeats):
@@ -140,23 +138,18 @@ def markdown(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("--depths", type=int, nargs="*", default=[8, 32, 128])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per row")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     rows = run(args.depths, args.repeats)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = dict(tf_version=tf.__version__, python=platform.python_version(),
                 machine=platform.machine(), processor=platform.processor(),
                 cpus=os.cpu_count(), batch=BATCH, width=WIDTH, activation_bytes=ACTIVATION,
                 meter="allocator peak above pre-step baseline, BFC, 1 inter-op thread, CPU")
     summary = checks(rows)
-    (out / "reversible.json").write_text(json.dumps(dict(meta=meta, rows=rows, checks=summary),
-                                                    indent=1))
     table = markdown(rows)
-    (out / "reversible.md").write_text(table)
+    out = cli.write(args.out, "reversible", dict(meta=meta, rows=rows, checks=summary), table)
     print(table)
     print("checks: %s" % json.dumps(summary))
     print("wrote reversible.{json,md} in %s" % out)

@@ -8,44 +8,15 @@ from memsave import tf_internal
 from memsave import verify as verify_module
 from memsave.errors import GradientMismatchError
 from memsave.log import warn_once
-from memsave.planning import registry
-from memsave.planning import strategies as planning
-from memsave.planning.offload import DEFAULT_DEVICE_FLOPS, DEFAULT_HOST_BANDWIDTH, OffloadModel
 from memsave.planning.plan import Plan
 from memsave.graph import audit, graph_tensor
-from memsave.graph.region import analyze, to_plan_graph
-from memsave.graph.shapes import resolve as resolve_shapes
+from memsave.graph.region import analyze
 from memsave.graph.walk import differentiably_connected
+from memsave.planner import plan_region
 from memsave.rewrite import SwapConfig, plain_gradients, rewrite
+from memsave.settings import resolve
 
 logger = logging.getLogger("memsave")
-
-# Names that are not planning-graph strategies: they need the TF graph.
-COLLECTION = "collection"
-STRATEGIES = ("optimal", "memory", "speed", COLLECTION)   # the built-in names
-
-
-def strategy_names():
-    """Every name ``checkpoints=`` accepts: built-ins, 'collection', registered ones."""
-    names = registry.strategy_names()
-    return names[:len(registry.BUILT_IN)] + [COLLECTION] + names[len(registry.BUILT_IN):]
-
-
-def check_checkpoints(checkpoints):
-    """Raise unless ``checkpoints`` is a strategy name, a callable strategy or a list."""
-    if isinstance(checkpoints, str):
-        if checkpoints != COLLECTION and registry.lookup(checkpoints) is None:
-            raise ValueError("unknown checkpoints strategy %r; use one of %s, a callable "
-                             "strategy or a list of tensors" % (
-                                 checkpoints, ", ".join(map(repr, strategy_names()))))
-    elif not callable(checkpoints) and not isinstance(checkpoints, (list, tuple)):
-        raise TypeError("checkpoints must be a strategy name (%s), a callable strategy or a "
-                        "list of tensors, got %r" % (", ".join(strategy_names()), checkpoints))
-
-# What ``fallback=None`` means. memsave's own test suite turns it off to
-# check the rewrite itself on graphs too small for it to pay.
-FALLBACK_TO_PLAIN = True
-
 
 def _as_list(value):
     if value is None:
@@ -164,132 +135,17 @@ def _resolve_grad_ys(grad_ys, ys, graph):
     return out
 
 
-def _explicit_checkpoints(items, graph, region):
-    tensors = []
-    for t in items:
-        if isinstance(t, tf.Operation) or not isinstance(t, tf.Tensor):
-            raise TypeError("checkpoints must be tf.Tensor objects, got %r" % (t,))
-        if t.graph is not graph:
-            raise ValueError("checkpoint %s is in another graph than ys" % t.name)
-        tensors.append(t)
-    ends = {t.ref() for t in region.leaf_xs} | {t.ref() for t in region.ys}
-    for t in tensors:
-        if t.ref() in ends and t.op not in region.ops:   # region ys: see planning.explicit
-            logger.debug("memsave: checkpoint %s is an x or a y; ignored", t.name)
-    off_path = [t.name for t in tensors if t.op not in region.ops and t.ref() not in ends]
-    if off_path:
-        logger.warning("memsave: %d checkpoint(s) are not between xs and ys and are not used: %s",
-                       len(off_path), ", ".join(off_path))
-    return [t.name for t in tensors if t.op in region.ops]
-
-
-def _offload_model(swapin_ahead, host_bandwidth, device_flops):
-    if not isinstance(swapin_ahead, int) or swapin_ahead < 0:
-        raise ValueError("swapin_ahead must be an int >= 0, got %r" % (swapin_ahead,))
-    return OffloadModel(host_bandwidth=host_bandwidth, device_flops=device_flops,
-                        prefetch=swapin_ahead > 0)
-
-
-def _offload_names(offload, region):
-    """Tensor names a user asked to offload, or a clear error."""
-    names = []
-    for t in offload:
-        if not isinstance(t, tf.Tensor) or isinstance(t, tf_internal.EagerTensor):
-            raise TypeError("offload must be 'auto' or a list of graph tensors, got %r" % (t,))
-        if t.graph is not region.graph:
-            raise ValueError("offloaded tensor %s is in another graph than ys" % t.name)
-        names.append(t.name)
-    return names
-
-
-def make_plan(region, checkpoints, min_checkpoint_size=1024, budget=None, batch_size=None,
-              offload=None, offload_model=None, shapes=None, max_recompute=None,
-              compiled=False):
-    """Run a strategy on the region; return a :class:`memsave.Plan`.
-
-    ``checkpoints`` is a registered name ('optimal', ...), 'collection', a
-    callable strategy (see :mod:`memsave.planning.registry`) or a list of
-    tensors. ``offload`` is None, 'auto' or a list of tensors to keep in
-    host memory (see :mod:`memsave.planning.offload`). ``shapes`` and
-    ``batch_size`` size what the graph leaves unknown (see
-    :mod:`memsave.graph.shapes`). ``compiled``: XLA compiles the step, so
-    the plan sees XLA's fusions (see :func:`memsave.graph.region.to_plan_graph`).
-    """
-    check_checkpoints(checkpoints)
-    strategy = _strategy(checkpoints)
-    if strategy is not None:
-        registry.check_options(strategy, repr(checkpoints) if isinstance(checkpoints, str)
-                               else registry.label(strategy),
-                               dict(budget=budget, max_recompute=max_recompute))
-    elif budget is not None or max_recompute is not None:
-        raise ValueError("%s= needs checkpoints='optimal' or a strategy that accepts it; got %s"
-                         % ("budget" if budget is not None else "max_recompute",
-                            "a list of tensors" if not isinstance(checkpoints, str)
-                            else repr(checkpoints)))
-    if isinstance(offload, str) and offload != "auto":
-        raise ValueError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
-    if offload is not None and not isinstance(offload, (str, list, tuple)):
-        raise TypeError("offload must be None, 'auto' or a list of tensors, got %r" % (offload,))
-    names = _offload_names(offload, region) if isinstance(offload, (list, tuple)) else []
-    resolved = resolve_shapes(region, shapes, batch_size)
-    pg = to_plan_graph(region, batch_size=batch_size, shapes=resolved.shapes,
-                       compiled=compiled).validate()
-    unknown = pg.unknown_dims
-    model = offload_model or OffloadModel()
-    auto = "auto" if offload == "auto" else None
-    if strategy is not None:
-        result = registry.run(strategy, pg, budget=budget, max_recompute=max_recompute,
-                              min_checkpoint_size=min_checkpoint_size, offload=auto, model=model)
-    else:
-        result = planning.explicit(pg, _listed_checkpoints(region, checkpoints),
-                                   strategy=checkpoints if isinstance(checkpoints, str) else "list")
-        if auto:
-            result = planning.with_offload(pg, result, None, model)
-    if names:
-        refused = [n for n in names if not pg.has_node(n) or not pg.nodes[n]["offloadable"]]
-        if refused:
-            raise ValueError(
-                "cannot offload %s: only float tensors between xs and ys that are not ys, "
-                "xs or variable reads, and that no op kept in place (stateful) reads, can wait "
-                "in host memory" % ", ".join(refused))
-        result = planning.with_offload(pg, result, names, model)
-    result.notes.extend(resolved.notes)
-    result.unknown_dims = unknown
-    if unknown:
-        note = "%d tensor(s) still have unknown dimensions, taken as %s for sizes" % (
-            unknown, "batch_size=%d" % batch_size if batch_size else "1")
-        result.notes.append(note)
-        # Loud when nothing sized them; data-dependent shapes (tf.where) stay
-        # unknown even with hints.
-        log = logger.info if resolved.notes else logger.warning
-        log("memsave: %s; the plan may keep the wrong tensors: pass shapes= "
-            "(e.g. {input: (8, 128, 128, 3)}) or batch_size=", note)
-    return result
-
-
-def _strategy(checkpoints):
-    """The planning-graph strategy ``checkpoints`` names or is; None for tensor lists."""
-    if isinstance(checkpoints, str):
-        return None if checkpoints == COLLECTION else registry.lookup(checkpoints)
-    return checkpoints if callable(checkpoints) else None
-
-
-def _listed_checkpoints(region, checkpoints):
-    """Names of the tensors in ``checkpoints`` (a list) or the 'checkpoints' collection."""
-    items = region.graph.get_collection("checkpoints") if checkpoints == COLLECTION \
-        else checkpoints
-    return _explicit_checkpoints(items, region.graph, region)
+# Graph rewriting is plain Python: autograph must not convert it when it is
+# called inside a tf.function.
+# What tf.gradients takes besides ys, xs and grad_ys; memsave.gradients passes them through.
+TF_GRADIENTS_OPTIONS = ("name", "gate_gradients", "aggregation_method", "stop_gradients",
+                        "unconnected_gradients", "colocate_gradients_with_ops")
 
 
 # Graph rewriting is plain Python: autograph must not convert it when it is
 # called inside a tf.function.
 @tf.autograph.experimental.do_not_convert
-def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_size=1024,
-              budget=None, max_recompute=None, batch_size=None, shapes=None, offload=None,
-              swapin_ahead=1, swapin_groupby=5,
-              host_device="/device:CPU:0", host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-              device_flops=DEFAULT_DEVICE_FLOPS, fallback=None, verify=None, xla=None,
-              name="gradients", **tf_gradients_kwargs):
+def gradients(ys, xs, grad_ys=None, checkpoints="collection", **options):
     """Like ``tf.gradients``, but recomputes forward activations to save memory.
 
     ``checkpoints`` is 'optimal', 'memory', 'speed', 'collection' (tensors
@@ -297,60 +153,43 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
     keep, or a strategy: any callable over the planning graph, or a name
     given to one with :func:`memsave.register_strategy` (see
     :mod:`memsave.planning.registry` and :mod:`memsave.planning.policies`).
-    With 'optimal', ``budget`` (bytes, or a fraction of the plain peak
-    when below 1) asks for the plan that fits it with the least recompute,
-    and ``max_recompute`` (a fraction of one forward pass's work) for the
-    lowest peak that recomputes at most that much.
-    Dimensions the graph leaves unknown are sized from ``shapes`` (``{tensor
-    or name: shape}`` for inputs), else from the shapes the same tf.function
-    had when first traced, else ``batch_size`` for the leading axis of
-    inputs; TF's shape inference carries them through the graph.
 
-    ``offload`` ('auto' or a list of tensors) keeps checkpoints in host
-    memory (``host_device``) between the forward and the backward pass
-    instead of on the device; each swap-in starts ``swapin_ahead`` backward
-    ops early and is shared by uses at most ``swapin_groupby`` ops apart.
-    With 'auto', 'optimal' weighs per tensor keeping, recomputing and
-    offloading (``host_bandwidth`` bytes/s against ``device_flops``); other
-    strategies offload every checkpoint they keep.
+    memsave's keywords are the same for every entry point (``budget``,
+    ``max_recompute``, ``offload``, ``fallback``, ``min_checkpoint_size``,
+    ``shapes``, ``batch_size``, ``verify``, ``xla``, ``offload_model``; see
+    :mod:`memsave.settings` and docs/api.md). With the default
+    ``fallback=True`` a named strategy whose estimated peak, on fully known
+    sizes, is not below plain backprop's returns plain ``tf.gradients``
+    (logged at INFO). Under XLA each recomputed segment reads its inputs
+    through an optimization barrier, as ``jax.checkpoint`` does; offloading
+    is refused there (a list) or planned without ('auto').
 
-    With ``fallback`` (the default), a named strategy whose estimated peak,
-    on fully known sizes, is not below plain backprop's returns plain
-    ``tf.gradients`` instead (logged at INFO); an explicit list of tensors
-    and a callable strategy are always honoured.
-
-    ``verify=True`` (or a tolerance) also runs plain backprop on the first
-    run of the graph and fails that run if the gradients differ by more
-    than the tolerance relative to the largest entry (see
-    :mod:`memsave.verify`); later runs cost nothing extra.
-
-    ``xla`` says whether XLA compiles the step: None (the default) tells
-    from the trace (``tf.function(jit_compile=True)``, Keras
-    ``jit_compile=True``). Under XLA each recomputed segment reads its
-    inputs through an optimization barrier, as ``jax.checkpoint`` does, so
-    that XLA neither merges the recomputation back into the forward pass
-    nor runs it early; outside XLA the barriers would only add ops. Offloading
-    needs host memory, which a compiled step cannot address: ``offload=``
-    a list is refused and 'auto' plans without it.
-
-    Further keyword arguments (``gate_gradients``, ``aggregation_method``,
-    ``stop_gradients``, ``unconnected_gradients``,
-    ``colocate_gradients_with_ops``) mean what they mean for ``tf.gradients``.
-    Works in a ``tf.compat.v1`` Graph and inside ``tf.function``.
+    ``tf.gradients``' own keywords (``name``, ``gate_gradients``,
+    ``aggregation_method``, ``stop_gradients``, ``unconnected_gradients``,
+    ``colocate_gradients_with_ops``) mean what they mean there. Works in a
+    ``tf.compat.v1`` Graph and inside ``tf.function``.
     """
-    ys = _as_ys(ys)
-    xs = _as_list(xs)
+    passed = {k: options.pop(k) for k in TF_GRADIENTS_OPTIONS if k in options}
+    settings = resolve(checkpoints, options, "memsave.gradients", extra=TF_GRADIENTS_OPTIONS)
+    return differentiate(ys, xs, grad_ys, settings, **passed)
+
+
+@tf.autograph.experimental.do_not_convert
+def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kwargs):
+    """:func:`gradients` with resolved :class:`~memsave.settings.Settings` (tapes, patch)."""
+    ys, xs, grad_ys = _as_ys(ys), _as_list(xs), _as_list(grad_ys)
     tf_gradients_kwargs = _tf_gradients_options(tf_gradients_kwargs)
-    grad_ys = _as_list(grad_ys)
     graph = _validate(ys, xs, grad_ys)
-    verify_module.check_option(verify)
-    compiled = compiled_by_xla(xla, graph)
+    compiled = compiled_by_xla(settings.xla, graph)
     if compiled:
-        offload = _offload_under_xla(offload)
-        _refuse_verify_under_xla(verify)
+        settings = _under_xla(settings)
     with graph.as_default():
         xs = _resolve_xs(xs, graph)
         grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
+
+        def plain():
+            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
+
         if tf_internal.could_possibly_record():
             # The tape would record none of the copies and give None for
             # higher-order gradients where TensorFlow gives them.
@@ -358,80 +197,78 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", *, min_checkpoint_
                 "memsave.gradients: a GradientTape is recording (e.g. for higher-order "
                 "gradients); it would not see memsave's recomputed ops, so plain "
                 "tf.gradients is used for this call"))
-            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
+            return plain()
         region = analyze(ys, xs)
         if not region.ops:
             logger.warning("memsave: none of the ys depends on the xs; gradients are None")
-            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
-        if not isinstance(swapin_groupby, int) or swapin_groupby < 0:
-            raise ValueError("swapin_groupby must be an int >= 0, got %r" % (swapin_groupby,))
-        chosen = make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size,
-                           offload, _offload_model(swapin_ahead, host_bandwidth, device_flops),
-                           shapes=shapes, max_recompute=max_recompute, compiled=compiled)
+            return plain()
+        chosen = plan_region(region, settings, compiled)
         logger.info("%s", chosen.summary())
-        kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
-        if not kept:
-            logger.info("memsave: no checkpoints; using plain tf.gradients")
-            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
-        if fallback is None:
-            fallback = FALLBACK_TO_PLAIN
-        if fallback and chosen.worse_than_plain() and isinstance(checkpoints, str):
-            # A named strategy is a means to save memory; an explicit list is
-            # the user's own choice and is honoured.
-            logger.info("memsave: the %s plan's estimated peak (%.1f MB) is not below plain "
-                        "backprop's (%.1f MB); using plain tf.gradients", chosen.strategy,
-                        chosen.estimated_peak_bytes / 2**20, chosen.plain_peak_bytes / 2**20)
-            return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
-        swap = None
-        if chosen.offloaded:
-            swap = SwapConfig(tuple(graph.get_tensor_by_name(n) for n in chosen.offloaded),
-                              host_device, swapin_ahead, swapin_groupby)
-            _say_if_offloading_is_a_no_op(swap)
-        ledger = audit.Ledger(graph)
-        grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,
-                        barriers=compiled, **tf_gradients_kwargs)
-        audit.check(ledger, region, grads, tf_gradients_kwargs.get("stop_gradients") or [])
-        _check_none_pattern(ys, xs, grads, grad_ys, name, tf_gradients_kwargs)
-        tol = verify_module.tolerance(verify, grads)
-        if tol is not None:
-            grads = verify_module.on_first_step(region, grad_ys, grads, tol,
-                                                tf_gradients_kwargs, name)
-        return grads
+        if _plain_is_better(chosen, settings):
+            return plain()
+        return _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_kwargs)
 
 
-def check_xla(xla):
-    """Raise unless ``xla`` is None (tell from the trace), True or False."""
-    if xla is not None and not isinstance(xla, bool):
-        raise TypeError("xla must be None (tell from the trace), True or False, got %r"
-                        % (xla,))
+def _plain_is_better(chosen, settings):
+    """Whether plain ``tf.gradients`` serves the call better than ``chosen`` (logged)."""
+    if not chosen.kept:
+        logger.info("memsave: no checkpoints; using plain tf.gradients")
+        return True
+    if settings.fallback and settings.checkpoints.by_name and chosen.worse_than_plain():
+        # A named strategy is a means to save memory; an explicit list or a
+        # callable is the user's own choice and is honoured.
+        logger.info("memsave: the %s plan's estimated peak (%.1f MB) is not below plain "
+                    "backprop's (%.1f MB); using plain tf.gradients", chosen.strategy,
+                    chosen.estimated_peak_bytes / 2**20, chosen.plain_peak_bytes / 2**20)
+        return True
+    return False
+
+
+def _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_kwargs):
+    """The gradients of ``region`` keeping ``chosen``, audited and checked against TF's."""
+    graph = region.graph
+    kept = [graph.get_tensor_by_name(n) for n in chosen.kept]
+    swap = None
+    if chosen.offloaded:
+        model = settings.offload_model
+        swap = SwapConfig(tuple(graph.get_tensor_by_name(n) for n in chosen.offloaded),
+                          model.host_device, model.swapin_ahead, model.swapin_groupby)
+        _say_if_offloading_is_a_no_op(swap)
+    ledger = audit.Ledger(graph)
+    grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,
+                    barriers=compiled, **tf_gradients_kwargs)
+    audit.check(ledger, region, grads, tf_gradients_kwargs.get("stop_gradients") or [])
+    _check_none_pattern(region.ys, region.xs, grads, grad_ys, name, tf_gradients_kwargs)
+    tol = verify_module.tolerance(settings.verify, grads)
+    if tol is not None:
+        grads = verify_module.on_first_step(region, grad_ys, grads, tol,
+                                            tf_gradients_kwargs, name)
+    return grads
 
 
 def compiled_by_xla(xla, graph):
     """Whether XLA compiles the step being built in ``graph`` (``xla`` overrides)."""
-    check_xla(xla)
     if xla is None:
         return bool(tf_internal.graph_compiled_by_xla(graph))
     return xla
 
 
-def _offload_under_xla(offload):
-    if offload is None:
-        return None
-    if offload == "auto":
-        logger.warning("memsave: offload='auto' under XLA: a compiled step keeps every "
-                       "tensor in device memory, so the plan recomputes instead")
-        return None
-    raise ValueError("memsave: offload= under XLA: a compiled step (jit_compile=True) keeps "
-                     "every tensor in device memory and cannot move checkpoints to the host; "
-                     "compile without XLA to offload, or pass offload=None or 'auto'")
-
-
-def _refuse_verify_under_xla(verify):
-    if verify is not None and verify is not False:
+def _under_xla(settings):
+    """``settings`` for a step XLA compiles: no offloading, no verify."""
+    if settings.verify:
         raise ValueError(
             "memsave: verify= under XLA: the check reports a mismatch with an error message, "
             "which a compiled step (jit_compile=True) cannot raise; verify the plan with "
             "jit_compile=False (the gradients are the same), then compile")
+    if settings.offload is None:
+        return settings
+    if settings.offload == "auto":
+        logger.warning("memsave: offload='auto' under XLA: a compiled step keeps every "
+                       "tensor in device memory, so the plan recomputes instead")
+        return settings.replace(offload=None)
+    raise ValueError("memsave: offload= under XLA: a compiled step (jit_compile=True) keeps "
+                     "every tensor in device memory and cannot move checkpoints to the host; "
+                     "compile without XLA to offload, or pass offload=None or 'auto'")
 
 
 def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):
@@ -473,39 +310,31 @@ def _say_if_offloading_is_a_no_op(swap):
                 len(swap.tensors), swap.host_device)
 
 
-def gradients_memory(ys, xs, grad_ys=None, **kwargs):
+def gradients_memory(ys, xs, grad_ys=None, **options):
     """``gradients`` with ``checkpoints='memory'``."""
-    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **options)
 
 
-def gradients_speed(ys, xs, grad_ys=None, **kwargs):
+def gradients_speed(ys, xs, grad_ys=None, **options):
     """``gradients`` with ``checkpoints='speed'``."""
-    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **options)
 
 
-def gradients_collection(ys, xs, grad_ys=None, **kwargs):
+def gradients_collection(ys, xs, grad_ys=None, **options):
     """``gradients`` with ``checkpoints='collection'``."""
-    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **options)
 
 
 @tf.autograph.experimental.do_not_convert
-def plan(ys, xs, checkpoints="optimal", min_checkpoint_size=1024, budget=None, batch_size=None,
-         offload=None, swapin_ahead=1, host_bandwidth=DEFAULT_HOST_BANDWIDTH,
-         device_flops=DEFAULT_DEVICE_FLOPS, shapes=None, max_recompute=None, xla=None):
-    """The plan a strategy would execute, without rewriting anything."""
-    ys = _as_ys(ys)
-    xs = _as_list(xs)
+def plan(ys, xs, *, checkpoints="optimal", **options):
+    """The plan :func:`gradients` would execute with these options, without rewriting anything."""
+    settings = resolve(checkpoints, options, "memsave.plan")
+    ys, xs = _as_ys(ys), _as_list(xs)
     graph = _validate(ys, xs, None)
-    compiled = compiled_by_xla(xla, graph)
+    compiled = compiled_by_xla(settings.xla, graph)
     with graph.as_default():
         region = analyze(ys, _resolve_xs(xs, graph))
         if not region.ops:
             # As memsave.gradients: nothing to differentiate, so nothing to keep.
-            check_checkpoints(checkpoints)
-            label = (checkpoints if isinstance(checkpoints, str) else
-                     registry.label(checkpoints) if callable(checkpoints) else "list")
-            return Plan(label, [],
-                        notes=["none of the ys depends on the xs"])
-        return make_plan(region, checkpoints, min_checkpoint_size, budget, batch_size, offload,
-                         _offload_model(swapin_ahead, host_bandwidth, device_flops),
-                         shapes=shapes, max_recompute=max_recompute, compiled=compiled)
+            return Plan(settings.checkpoints.label, [], notes=["none of the ys depends on the xs"])
+        return plan_region(region, settings, compiled)

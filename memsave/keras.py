@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 
 from memsave import patching, verify
-from memsave.options import DEFAULT_CHECKPOINTS, Config, renamed_strategy
+from memsave.settings import DEFAULT_CHECKPOINTS, resolve
 
 logger = logging.getLogger("memsave")
 
@@ -109,32 +109,29 @@ def _train_on_batch_batch(x=None, *args, **kwargs):
     return data_batch_size(x) if isinstance(x, tf.data.Dataset) else _leading_size(x)
 
 
-def _options(settings, state, model):
-    """The planning options, with the data's batch size unless the user sized it.
+def _sized(settings, data_batch, model):
+    """``settings`` with the data's batch size, unless the user sized the step.
 
     Under a tf.distribute strategy each replica traces the step for its own
     share of the global batch.
     """
-    options = dict(settings.options)
-    batch = state.get("data_batch")
-    if batch and "batch_size" not in options and "shapes" not in options:
-        replicas = getattr(model.distribute_strategy, "num_replicas_in_sync", 1) or 1
-        options["batch_size"] = max(1, -(-batch // replicas))
-    return options
+    if not data_batch or settings.batch_size is not None or settings.shapes is not None:
+        return settings
+    replicas = getattr(model.distribute_strategy, "num_replicas_in_sync", 1) or 1
+    return settings.replace(batch_size=max(1, -(-data_batch // replicas)))
 
 
-def enable(model, checkpoints="optimal", **kwargs):
+def enable(model, checkpoints=DEFAULT_CHECKPOINTS, **options):
     """Make ``model.fit`` (and ``train_on_batch``) use checkpointed gradients.
 
     ``checkpoints`` is any strategy :func:`memsave.gradients` accepts
-    ('optimal', the default, 'memory', 'speed', ...); its planning options
-    (``min_checkpoint_size``, ``budget``, ...) may be given as keywords.
+    ('optimal', the default, 'memory', 'speed', ...), and the options are
+    those of every entry point (see :mod:`memsave.settings`), checked here.
     Enabling again replaces the settings. Returns the model.
     """
-    checkpoints = renamed_strategy(checkpoints, kwargs, "memsave.keras.enable")
+    settings = resolve(checkpoints, options, "memsave.keras.enable")
     _check_backend()
     _check_model(model)
-    config = Config.make(checkpoints, **kwargs)
     state = model.__dict__.get(_ATTR)
     if state is None:
         # The step Keras would call now: a custom train_step or Keras' own.
@@ -145,19 +142,18 @@ def enable(model, checkpoints="optimal", **kwargs):
     @functools.wraps(original)
     def train_step(data):
         state = model.__dict__[_ATTR]
-        settings = state["config"]
-        with patching.scope(settings.checkpoints, settings.min_checkpoint_size,
-                            **_options(settings, state, model)):
+        with patching.using(_sized(state["settings"], state.get("data_batch"), model)):
             return original(data)
 
-    object.__setattr__(model, _ATTR, {"original": original, "config": config})
+    object.__setattr__(model, _ATTR, {"original": original, "settings": settings})
     object.__setattr__(model, "train_step", train_step)
     if state is None:
         for name, batch_of in (("fit", _fit_batch), ("train_on_batch", _train_on_batch_batch)):
             object.__setattr__(model, name,
                                _remembering_batch(model, getattr(model, name), batch_of))
     _reset_train_function(model)
-    logger.info("memsave.keras: %s trains with checkpoints=%r", model.name, checkpoints)
+    logger.info("memsave.keras: %s trains with checkpoints=%s", model.name,
+                settings.checkpoints.label)
     return model
 
 
@@ -204,9 +200,8 @@ class MemorySavingModel:
     def train_step(self, data):
         _check_backend()
         checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
-        config = Config.make(checkpoints, self.memsave_min_checkpoint_size,
-                             **self.memsave_options)
-        state = {"data_batch": getattr(self, "_memsave_data_batch", None)}
-        with patching.scope(config.checkpoints, config.min_checkpoint_size,
-                            **_options(config, state, self)):
+        settings = resolve(checkpoints, dict(
+            {"min_checkpoint_size": self.memsave_min_checkpoint_size}, **self.memsave_options),
+            "memsave.keras.MemorySavingModel")
+        with patching.using(_sized(settings, getattr(self, "_memsave_data_batch", None), self)):
             return super().train_step(data)

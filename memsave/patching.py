@@ -14,8 +14,8 @@ very same original objects come back):
   stay TensorFlow's, see :func:`memsave.tape.bypass`; ``watch`` notes the
   tensors that are leaves for the tape, see :func:`memsave.tape.note_watch`).
 
-:func:`patch` pushes a level (strategy, options, whether tapes are routed
-and with which :class:`~memsave.options.Config`) on a process-wide stack;
+:func:`patch` pushes a level (its :class:`~memsave.settings.Settings` and
+whether tapes are routed) on a process-wide stack;
 the top level is in force. Leaving a ``with memsave.patch(...)`` block
 removes exactly that block's level, so the level below is in force again,
 tapes included; when the stack is empty the original functions are back.
@@ -44,7 +44,7 @@ from memsave import api
 from memsave import tape as _tape
 from memsave import tf_internal
 from memsave.log import logger
-from memsave.options import DEFAULT_CHECKPOINTS, Config, config_kwargs, renamed_strategy
+from memsave.settings import DEFAULT_CHECKPOINTS, resolve
 
 # (module name, attribute, signature) of every tf.gradients patch point. The
 # names other than "tensorflow" and "tensorflow.compat.v1" are keys of
@@ -64,9 +64,8 @@ _TAPE_POINTS = ("gradient", "jacobian", "batch_jacobian", "watch")
 class Level:
     """One :func:`patch` call's settings (compared by identity: each call is its own level)."""
 
-    strategy: object
-    kwargs: dict
-    tape: Config = None      # None: tapes are not routed at this level
+    settings: object         # memsave.settings.Settings
+    tape: bool = False       # whether plain tapes are routed at this level
 
 
 # Everything below is guarded by _lock (re-entrant: _apply runs under it).
@@ -74,9 +73,9 @@ _lock = threading.RLock()
 _stack = []              # Levels, bottom first; the top one is in force
 _originals = {}          # (module name, attribute) -> TF's own, while patched
 _tape_originals = {}     # GradientTape attribute -> TF's own, while tapes are routed
-_counts = {"calls": 0, "scopes": 0}   # routed tf.gradients calls; open scope()s
+_open_scopes = [0]       # scope()s open on any thread
 
-_local = threading.local()   # .configs: this thread's scope() stack
+_local = threading.local()   # .settings: this thread's scope() stack
 
 
 def _module(name):
@@ -85,16 +84,6 @@ def _module(name):
     if name == "tensorflow.compat.v1":
         return tf.compat.v1
     return tf_internal.PATCHABLE_MODULES[name]
-
-
-def call_count():
-    """How many gradient calls the patch has routed through memsave."""
-    return _counts["calls"]
-
-
-def is_patched():
-    """True while ``tf.gradients`` and friends are memsave's."""
-    return bool(_originals)
 
 
 def current():
@@ -111,11 +100,8 @@ def _route(original, ys, xs, grad_ys, name, kwargs):
     if level is None:
         # A wrapper someone kept a reference to after unpatch(): TF's answer.
         return original(ys, xs, grad_ys=grad_ys, name=name, **kwargs)
-    with _lock:
-        _counts["calls"] += 1
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return api.gradients(ys, xs, grad_ys, checkpoints=level.strategy, name=name,
-                         **level.kwargs, **kwargs)
+    return api.differentiate(ys, xs, grad_ys, level.settings, name=name, **kwargs)
 
 
 def _make_v1(original):
@@ -163,29 +149,29 @@ def _restore_points():
 # Plain tf.GradientTape objects.
 
 def _scopes():
-    if not hasattr(_local, "configs"):
-        _local.configs = []
-    return _local.configs
+    if not hasattr(_local, "settings"):
+        _local.settings = []
+    return _local.settings
 
 
-def active_config():
-    """The config plain tapes use on this thread now, or None."""
+def active_settings():
+    """The settings plain tapes use on this thread now, or None."""
     if _tape.bypassed():
         return None
-    configs = _scopes()
-    if configs:
-        return configs[-1]
+    scoped = _scopes()
+    if scoped:
+        return scoped[-1]
     level = current()
-    return level.tape if level is not None else None
+    return level.settings if level is not None and level.tape else None
 
 
 @do_not_convert
 def _patched_gradient(self, target, sources, output_gradients=None,
                       unconnected_gradients=tf.UnconnectedGradients.NONE):
-    config = active_config()
-    if config is None:
+    settings = active_settings()
+    if settings is None:
         return _tape.TF_GRADIENT(self, target, sources, output_gradients, unconnected_gradients)
-    return _tape.tape_gradient(self, config, target, sources, output_gradients,
+    return _tape.tape_gradient(self, settings, target, sources, output_gradients,
                                unconnected_gradients)
 
 
@@ -213,7 +199,7 @@ def _patched_watch(original):
 
 def _sync_tapes():
     """Route tapes while the top level asks for it or a scope is open, else restore."""
-    wanted = (bool(_stack) and _stack[-1].tape is not None) or _counts["scopes"] > 0
+    wanted = (bool(_stack) and _stack[-1].tape) or _open_scopes[0] > 0
     cls = tf.GradientTape
     if wanted and not _tape_originals:
         for name in _TAPE_POINTS:
@@ -228,26 +214,31 @@ def _sync_tapes():
             setattr(cls, name, original)
 
 
-@contextlib.contextmanager
-def scope(checkpoints=DEFAULT_CHECKPOINTS, min_checkpoint_size=1024, **options):
+def scope(checkpoints=DEFAULT_CHECKPOINTS, **options):
     """Within the block, on this thread, ``tf.GradientTape.gradient`` uses memsave.
 
     Other threads are not affected. ``tf.GradientTape.gradient`` is patched
     while any scope is open (or a ``patch(tape=True)`` level is in force)
-    and restored afterwards.
+    and restored afterwards. The options are those of every entry point
+    (see :mod:`memsave.settings`), checked here.
     """
-    config = Config.make(checkpoints, min_checkpoint_size, **options)
+    return using(resolve(checkpoints, options, "memsave.patching.scope"))
+
+
+@contextlib.contextmanager
+def using(settings):
+    """:func:`scope` with resolved :class:`~memsave.settings.Settings` (what Keras uses)."""
     with _lock:
-        _counts["scopes"] += 1
+        _open_scopes[0] += 1
         _sync_tapes()
-    configs = _scopes()
-    configs.append(config)
+    scoped = _scopes()
+    scoped.append(settings)
     try:
-        yield config
+        yield settings
     finally:
-        configs.pop()
+        scoped.pop()
         with _lock:
-            _counts["scopes"] -= 1
+            _open_scopes[0] -= 1
             _sync_tapes()
 
 
@@ -269,8 +260,8 @@ def _remove(level):
             if _stack[i] is level:
                 del _stack[i]
                 _apply()
-                logger.debug("memsave.patch: left strategy %r; %d level(s) remain",
-                             level.strategy, len(_stack))
+                logger.debug("memsave.patch: left checkpoints=%s; %d level(s) remain",
+                             level.settings.checkpoints.label, len(_stack))
                 return
         # unpatch() already removed it: nothing to undo.
 
@@ -289,30 +280,28 @@ class _Patch:
         return False
 
 
-def patch(checkpoints=DEFAULT_CHECKPOINTS, tape=False, **kwargs):
+def patch(checkpoints=DEFAULT_CHECKPOINTS, tape=False, **options):
     """Make TensorFlow's gradient functions use memsave with ``checkpoints``.
 
     ``checkpoints`` is anything ``memsave.gradients`` accepts ('optimal' by
-    default); extra keyword arguments (e.g. ``min_checkpoint_size``) are
-    passed along. With ``tape=True`` ``tf.GradientTape.gradient`` is
-    replaced too (tapes take the planning options, e.g.
-    ``min_checkpoint_size``).
+    default), and the options are those of every entry point (see
+    :mod:`memsave.settings`), checked here. With ``tape=True``
+    ``tf.GradientTape.gradient`` uses the same settings.
 
     Each call pushes a level; the newest is in force. As a context manager
     the level is removed when the block is left (also on an exception) and
     the previous settings come back. Called bare, the level stays until
     :func:`unpatch`.
     """
-    strategy = renamed_strategy(checkpoints, kwargs, "memsave.patch")
-    api.check_checkpoints(strategy)
-    tape_config = Config.make(strategy, **config_kwargs(kwargs)) if tape else None
-    level = Level(strategy, dict(kwargs), tape_config)
+    if not isinstance(tape, bool):
+        raise TypeError("memsave.patch: tape must be True or False, got %r" % (tape,))
+    level = Level(resolve(checkpoints, options, "memsave.patch"), tape)
     with _lock:
         _stack.append(level)
         _apply()
         depth = len(_stack)
-    logger.info("memsave: tf.gradients and friends%s now use checkpoints=%r (patch level %d)",
-                " and tf.GradientTape" if tape else "", strategy, depth)
+    logger.info("memsave: tf.gradients and friends%s now use checkpoints=%s (patch level %d)",
+                " and tf.GradientTape" if tape else "", level.settings.checkpoints.label, depth)
     return _Patch(level)
 
 

@@ -46,7 +46,7 @@ and measures ``max|x - inverse(forward(x))| / max(1, max|x|)``. The check is
 made of TensorFlow ops, so it runs inside ``tf.function`` without retracing;
 a block above ``tolerance`` is named in a WARNING of the ``memsave`` logger
 (once per block; through ``tf.py_function`` in graphs, which a SavedModel
-cannot carry to another process). With ``fallback='store'`` a block
+cannot carry to another process). With ``store_drifted=True`` a block
 that has drifted once (a sticky per-block flag held in a non-trainable
 variable) keeps its input from then on, chosen with ``tf.cond`` at run time:
 the store holds an empty tensor for healthy blocks, so memory stays O(1)
@@ -78,9 +78,6 @@ __all__ = [
     "ActNorm", "AdditiveCoupling", "AffineCoupling", "Invertible1x1Conv",
     "InvertibleBlock", "ReversibleResidual", "ReversibleSequence",
 ]
-
-FALLBACKS = (None, "store")
-
 
 # --------------------------------------------------------------------------
 # helpers
@@ -477,14 +474,14 @@ class ReversibleSequence(tf.Module):
     in the forward pass (every ``check_every``-th call, counted in a
     variable so it works inside ``tf.function``) and log a WARNING naming
     blocks above ``tolerance`` (the error is
-    ``max|x - inverse(forward(x))| / max(1, max|x|)``). ``fallback='store'``
+    ``max|x - inverse(forward(x))| / max(1, max|x|)``). ``store_drifted=True``
     (needs ``check_inverse``) makes such blocks keep their input from the
     detecting call on, so gradients stay exact. ``seq(x,
     store_activations=True)`` runs the ordinary forward (everything stored,
     plain autodiff), for comparisons.
     """
 
-    def __init__(self, blocks, *, check_inverse=False, tolerance=1e-4, fallback=None,
+    def __init__(self, blocks, *, check_inverse=False, tolerance=1e-4, store_drifted=False,
                  check_every=1, name=None):
         super().__init__(name=name)
         if isinstance(blocks, (InvertibleBlock, str, bytes)) or not isinstance(blocks,
@@ -505,11 +502,11 @@ class ReversibleSequence(tf.Module):
                 or not tolerance > 0):
             raise ValueError("memsave.reversible: tolerance must be a positive number, got %r"
                              % (tolerance,))
-        if fallback not in FALLBACKS:
-            raise ValueError("memsave.reversible: fallback must be None or 'store', got %r"
-                             % (fallback,))
-        if fallback == "store" and not check_inverse:
-            raise ValueError("memsave.reversible: fallback='store' acts on blocks found to "
+        if not isinstance(store_drifted, bool):
+            raise TypeError("memsave.reversible: store_drifted must be True or False, got %r"
+                            % (store_drifted,))
+        if store_drifted and not check_inverse:
+            raise ValueError("memsave.reversible: store_drifted=True acts on blocks found to "
                              "drift, so it needs check_inverse=True")
         if (isinstance(check_every, bool) or not isinstance(check_every, numbers.Integral)
                 or check_every < 1):
@@ -518,7 +515,7 @@ class ReversibleSequence(tf.Module):
         self._layers = list(blocks)
         self.check_inverse = check_inverse
         self.tolerance = float(tolerance)
-        self.fallback = fallback
+        self.store_drifted = store_drifted
         self.check_every = int(check_every)
         self._segments = []        # _Run objects and plain callables, in order
         self._invertible = []      # the InvertibleBlocks, in order
@@ -627,9 +624,9 @@ class ReversibleSequence(tf.Module):
                          self._label(index), err)
             return
         self._warned.add(index)
-        action = ("its input is stored from now on (fallback='store'), so gradients stay exact"
-                  if self.fallback == "store" else
-                  "gradients below it are approximate; pass fallback='store' to store its "
+        action = ("its input is stored from now on (store_drifted=True), so gradients stay exact"
+                  if self.store_drifted else
+                  "gradients below it are approximate; pass store_drifted=True to store its "
                   "input instead")
         logger.warning("memsave.reversible: %s reconstructs its input with relative error "
                        "%.3g > tolerance %.3g: %s", self._label(index), err, self.tolerance,
@@ -662,7 +659,7 @@ class ReversibleSequence(tf.Module):
 
     def _reversible_run(self, run, x, do_check):
         checking = self.check_inverse
-        store = self.fallback == "store"
+        store = self.store_drifted
 
         @tf.custom_gradient
         def reversible_run(x):

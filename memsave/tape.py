@@ -41,8 +41,8 @@ strategy is raised, never papered over.
 ``memsave.patch(tape=True)`` and :func:`memsave.patching.scope` route every
 plain ``tf.GradientTape`` through :func:`tape_gradient` as well; that
 process-wide state lives in :mod:`memsave.patching`, which imports this
-module (never the reverse). The settings are a
-:class:`memsave.options.Config`.
+module (never the reverse). The options are resolved once, when the tape
+is made, into :class:`memsave.settings.Settings`.
 """
 
 import contextlib
@@ -57,7 +57,7 @@ from memsave import tf_internal
 from memsave.errors import GradientMismatchError, NoBottleneckError, TapeNoBottleneckError
 from memsave.graph.walk import backward_ops, forward_ops
 from memsave.log import logger, warn_once
-from memsave.options import DEFAULT_CHECKPOINTS, Config
+from memsave.settings import DEFAULT_CHECKPOINTS, resolve
 
 # TensorFlow's own GradientTape.gradient, whatever is installed later.
 TF_GRADIENT = getattr(tf.GradientTape.gradient, "__memsave_original__",
@@ -310,16 +310,15 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
     if not call.ys:
         call.routes = [None] * len(flat_raw)
         return call
-    behind = backward_ops([y.op for y in call.ys])
+    _route_sources(tape, call, flat_raw, flat_xs)
+    if call.xs:
+        _stop_where_the_tape_did_not_record(tape, call)
+    return call
 
+
+def _route_sources(tape, call, flat_raw, flat_xs):
+    """Fill ``call.xs`` and ``call.routes``: each tracked, differentiable source once."""
     where = {}
-
-    def x_index(t):
-        if t.ref() not in where:
-            where[t.ref()] = len(call.xs)
-            call.xs.append(t)
-        return where[t.ref()]
-
     present_ok = iter(_sources_tracked(tape, flat_raw, flat_xs))
     for raw, x in zip(flat_raw, flat_xs):
         ok = next(present_ok) if x is not None else False
@@ -331,17 +330,24 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
         # Variables are differentiated through their handle; memsave never
         # re-reads a variable in the backward pass (it keeps the forward
         # reads), so an update later in the step cannot leak in.
-        call.routes.append(x_index(x))
-    if not call.xs:
-        return call
+        if x.ref() not in where:
+            where[x.ref()] = len(call.xs)
+            call.xs.append(x)
+        call.routes.append(where[x.ref()])
 
-    # Tensors on a path from the xs to the ys that the tape did not track
-    # are constants for the plain tape: make them constants for memsave.
+
+def _stop_where_the_tape_did_not_record(tape, call):
+    """Set ``call.connected`` and ``call.stops``.
+
+    Tensors on a path from the xs to the ys that the tape did not track are
+    constants for the plain tape: they become constants for memsave.
+    """
+    behind = backward_ops([y.op for y in call.ys])
     starts = [c for x in call.xs for c in x.consumers() if c in behind]
     y_refs = {y.ref() for y in call.ys}
     call.connected = bool(starts) or any(x.ref() in y_refs for x in call.xs)
     between = forward_ops(starts, within=behind)
-    inner, seen = [], set(where)
+    inner, seen = [], {x.ref() for x in call.xs}
     for op in sorted(between, key=tf_internal.op_id):
         for t in op.inputs:
             if t.ref() in seen or t.op not in between:
@@ -360,14 +366,51 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
         logger.info("memsave: %d tensor(s) between sources and target were not recorded by "
                     "the tape; they are treated as constants, as the plain tape does: %s",
                     len(call.stops), ", ".join(t.name for t in call.stops[:8]))
-    return call
+
+
+def _rewritable_call(tape, target, sources, output_gradients):
+    """:func:`_checked_inputs`, once the tape's state allows a rewrite (else _Fallback).
+
+    Pauses a non-persistent tape that is still recording, as the plain tape does.
+    """
+    if any(isinstance(t, tf_internal.EagerTensor) for t in _flat_targets(target)):
+        raise _Fallback("eager", EAGER_MESSAGE)
+    if tf_internal.tape_recording(tape):
+        if tf_internal.tape_persistent(tape):
+            raise _Fallback("persistent-recording", (
+                "memsave: gradient() was called inside the recording context of a "
+                "persistent tape, which records the gradient for higher-order "
+                "derivatives; memsave's recomputed ops would be missing from it, so "
+                "the plain tf.GradientTape is used. Call gradient() after the with "
+                "block to save memory."))
+        tf_internal.pause_tape(tape)
+    checked = _checked_inputs(target, sources, output_gradients)
+    if tf_internal.could_possibly_record() or tf_internal.tape_set_is_stopped():
+        raise _Fallback("nested", (
+            "memsave: another GradientTape is recording while gradient() runs (e.g. "
+            "higher-order gradients); it would not see memsave's recomputed ops, so "
+            "the plain tf.GradientTape is used for this call"))
+    return checked
+
+
+def _differentiate(call, settings):
+    """memsave's gradients for ``call.xs`` (None each when no y depends on them)."""
+    if not call.connected:
+        return [None] * len(call.xs)
+    kwargs = {"stop_gradients": call.stops} if call.stops else {}
+    try:
+        return api.differentiate(call.ys, call.xs, call.grad_ys, settings, **kwargs)
+    except NoBottleneckError as e:
+        raise TapeNoBottleneckError(
+            "%s (from GradientTape.gradient; pass checkpoints='optimal' to "
+            "memsave.GradientTape, or to memsave.patch / memsave.keras.enable)" % e) from None
 
 
 # Plain Python graph rewriting: autograph must not convert it inside tf.function.
 @do_not_convert
-def tape_gradient(tape, config, target, sources, output_gradients=None,
+def tape_gradient(tape, settings, target, sources, output_gradients=None,
                   unconnected_gradients=tf.UnconnectedGradients.NONE):
-    """``tape.gradient(...)`` computed by :func:`memsave.gradients` with ``config``.
+    """``tape.gradient(...)`` computed by :func:`memsave.gradients` with ``settings``.
 
     Falls back to TensorFlow's ``GradientTape.gradient`` where the rewrite
     cannot honour the tape's semantics (see the module docstring).
@@ -384,42 +427,15 @@ def tape_gradient(tape, config, target, sources, output_gradients=None,
         return plain()
 
     try:
-        if any(isinstance(t, tf_internal.EagerTensor) for t in _flat_targets(target)):
-            raise _Fallback("eager", EAGER_MESSAGE)
-        if tf_internal.tape_recording(tape):
-            if tf_internal.tape_persistent(tape):
-                raise _Fallback("persistent-recording", (
-                    "memsave: gradient() was called inside the recording context of a "
-                    "persistent tape, which records the gradient for higher-order "
-                    "derivatives; memsave's recomputed ops would be missing from it, so "
-                    "the plain tf.GradientTape is used. Call gradient() after the with "
-                    "block to save memory."))
-            tf_internal.pause_tape(tape)
-        graph, flat_targets, flat_raw, flat_xs, flat_grads = _checked_inputs(
-            target, sources, output_gradients)
-        if tf_internal.could_possibly_record() or tf_internal.tape_set_is_stopped():
-            raise _Fallback("nested", (
-                "memsave: another GradientTape is recording while gradient() runs (e.g. "
-                "higher-order gradients); it would not see memsave's recomputed ops, so "
-                "the plain tf.GradientTape is used for this call"))
+        graph, flat_targets, flat_raw, flat_xs, flat_grads = _rewritable_call(
+            tape, target, sources, output_gradients)
     except _Fallback as why:
         warn_once("tape:" + why.key, why.message)
         return plain()
 
     call = _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads)
     _check_routes(tape, call, flat_raw, flat_xs)
-    grads = [None] * len(call.xs)
-    if call.connected:
-        kwargs = {"stop_gradients": call.stops} if call.stops else {}
-        try:
-            grads = api.gradients(call.ys, call.xs, call.grad_ys,
-                                  checkpoints=config.checkpoints,
-                                  min_checkpoint_size=config.min_checkpoint_size,
-                                  **config.options, **kwargs)
-        except NoBottleneckError as e:
-            raise TapeNoBottleneckError(
-                "%s (from GradientTape.gradient; pass checkpoints='optimal' to "
-                "memsave.GradientTape, or to memsave.patch / memsave.keras.enable)" % e) from None
+    grads = _differentiate(call, settings)
     flat_grad = []
     for route in call.routes:
         flat_grad.append(None if route is None else grads[route])
@@ -440,23 +456,25 @@ def tape_gradient(tape, config, target, sources, output_gradients=None,
 class GradientTape(tf.GradientTape):
     """A ``tf.GradientTape`` whose ``gradient()`` recomputes activations.
 
-    ``checkpoints``, ``min_checkpoint_size`` and further planning options
-    (``budget``, ``batch_size``, ``shapes``) mean what they mean for
-    :func:`memsave.gradients`; the default, 'optimal', keeps the tensors
-    with the lowest estimated peak. Everything else, including ``jacobian``, behaves like
+    ``checkpoints`` and memsave's other keywords (``budget``,
+    ``max_recompute``, ``offload``, ...; see :mod:`memsave.settings`) mean
+    what they mean for :func:`memsave.gradients` and are checked here; the
+    default, 'optimal', keeps the tensors with the lowest estimated peak.
+    Everything else, including ``jacobian``, behaves like
     ``tf.GradientTape``; see the module docstring for the cases that use the
     plain tape.
     """
 
     def __init__(self, persistent=False, watch_accessed_variables=True, *,
-                 checkpoints=DEFAULT_CHECKPOINTS, min_checkpoint_size=1024, **options):
+                 checkpoints=DEFAULT_CHECKPOINTS, **options):
+        settings = resolve(checkpoints, options, "memsave.GradientTape")
         super().__init__(persistent=persistent,
                          watch_accessed_variables=watch_accessed_variables)
-        self._memsave_config = Config.make(checkpoints, min_checkpoint_size, **options)
+        self._memsave_settings = settings
 
     @property
     def checkpoints(self):
-        return self._memsave_config.checkpoints
+        return self._memsave_settings.checkpoints.given
 
     def watch(self, tensor):
         note_watch(self, tensor)
@@ -469,7 +487,7 @@ class GradientTape(tf.GradientTape):
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         if bypassed():
             return TF_GRADIENT(self, target, sources, output_gradients, unconnected_gradients)
-        return tape_gradient(self, self._memsave_config, target, sources, output_gradients,
+        return tape_gradient(self, self._memsave_settings, target, sources, output_gradients,
                              unconnected_gradients)
 
     gradient.__doc__ = TF_GRADIENT.__doc__

@@ -51,21 +51,13 @@ TOLERANCE = {tf.float64: 1e-6, tf.float32: 5e-2, tf.float16: 1e-1, tf.bfloat16: 
 
 
 def tolerance(verify, grads):
-    """The tolerance ``verify`` asks for (None when off), checked at call time."""
+    """The tolerance ``verify`` (checked by :mod:`memsave.settings`) asks for; None when off."""
     if verify is None or verify is False:
         return None
     if verify is True:
         dtypes = [_dense_dtype(g) for g in grads if g is not None]
         return max((TOLERANCE.get(d, TOLERANCE[tf.float32]) for d in dtypes), default=None)
-    if isinstance(verify, bool) or not isinstance(verify, (int, float)) or not verify > 0:
-        raise ValueError("verify must be True, False or a tolerance > 0 (relative to the "
-                         "largest gradient entry), got %r" % (verify,))
     return float(verify)
-
-
-def check_option(verify):
-    """Raise on a ``verify=`` value no call could accept."""
-    tolerance(verify, [])
 
 
 def _dense_dtype(g):

@@ -30,8 +30,8 @@ def _rewrite_even_where_it_does_not_pay(request, monkeypatch):
     if request.node.get_closest_marker("real_models") or \
             request.node.get_closest_marker("fallback"):
         return
-    from memsave import api   # pylint: disable=import-outside-toplevel
-    monkeypatch.setattr(api, "FALLBACK_TO_PLAIN", False)
+    from memsave.planning.plan import Plan   # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(Plan, "worse_than_plain", lambda self: False)
 
 
 @pytest.fixture

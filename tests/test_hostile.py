@@ -189,7 +189,7 @@ def test_unknown_strategy_inside_tf_function():
 
 def test_negative_min_checkpoint_size():
     graph, _, ws, _, loss = _chain()
-    with graph.as_default(), pytest.raises(ValueError, match="min_checkpoint_size must be >= 0"):
+    with graph.as_default(), pytest.raises(ValueError, match="min_checkpoint_size must be an int >= 0"):
         memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=-1)
 
 
@@ -238,7 +238,7 @@ def test_plan_when_ys_do_not_depend_on_xs():
     with graph.as_default():
         unrelated = tf.reduce_sum(tf.constant(np.ones(3, np.float32)) * 2.0)
         try:
-            plan = memsave.plan(unrelated, ws, "memory", min_checkpoint_size=0)
+            plan = memsave.plan(unrelated, ws, checkpoints="memory", min_checkpoint_size=0)
         except ValueError as e:
             assert "depend" in str(e), str(e)
         else:
@@ -254,7 +254,7 @@ def test_checkpoint_that_is_a_y_or_an_x_is_ignored_with_debug_log(which, caplog)
         plain = tf.gradients(loss, xs)
         with caplog.at_level(logging.DEBUG, logger="memsave"):
             ours = memsave.gradients(loss, xs, checkpoints=[bad, hs[2]])
-        plan = memsave.plan(loss, xs, [bad, hs[2]])
+        plan = memsave.plan(loss, xs, checkpoints=[bad, hs[2]])
     assert bad.name not in plan.kept and hs[2].name in plan.kept
     _run_equal(graph, plain, ours)
     debug = [r for r in caplog.records
@@ -335,7 +335,7 @@ def _unknown_shape_graph(shape):
 def test_unknown_shapes(shape, strategy):
     graph, inp, ws, hs, loss = _unknown_shape_graph(shape)
     with graph.as_default():
-        plan = memsave.plan(loss, ws, strategy if strategy != "list" else [hs[2]],
+        plan = memsave.plan(loss, ws, checkpoints=strategy if strategy != "list" else [hs[2]],
                             min_checkpoint_size=0)
         assert plan.kept, plan.summary()
         plain = tf.gradients(loss, ws)

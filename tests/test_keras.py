@@ -29,13 +29,13 @@ WIDTH, BATCH = 32, 16
 @pytest.fixture
 def rewrites(monkeypatch):
     calls = []
-    original = api.gradients
+    original = api.differentiate
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("checkpoints"))
-        return original(*args, **kwargs)
+    def counting(ys, xs, grad_ys, settings, **kwargs):
+        calls.append(settings.checkpoints.given)
+        return original(ys, xs, grad_ys, settings, **kwargs)
 
-    monkeypatch.setattr(api, "gradients", counting)
+    monkeypatch.setattr(api, "differentiate", counting)
     return calls
 
 
@@ -381,17 +381,17 @@ def test_partial_last_batch_with_default_checkpoint_size(strategy, rewrites):
 def test_checkpoints_is_the_parameter_and_optimal_the_default():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     memsave.keras.enable(model)
-    assert model.__dict__["_memsave_keras"]["config"].checkpoints == "optimal"
+    assert model.__dict__["_memsave_keras"]["settings"].checkpoints.given == "optimal"
     with pytest.warns(DeprecationWarning, match="checkpoints="):
         memsave.keras.enable(model, strategy="speed")
-    assert model.__dict__["_memsave_keras"]["config"].checkpoints == "speed"
+    assert model.__dict__["_memsave_keras"]["settings"].checkpoints.given == "speed"
     memsave.keras.disable(model)
     assert "fit" not in model.__dict__ and "train_step" not in model.__dict__
     try:
         memsave.patch()
-        assert patching.current().strategy == "optimal"
+        assert patching.current().settings.checkpoints.given == "optimal"
         with pytest.warns(DeprecationWarning, match="checkpoints="):
             memsave.patch(strategy="memory")
-        assert patching.current().strategy == "memory"
+        assert patching.current().settings.checkpoints.given == "memory"
     finally:
         memsave.unpatch()

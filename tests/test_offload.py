@@ -82,10 +82,11 @@ def _gpu_chain(n=12, ahead=1, groupby=5, strategy="memory", offload="auto"):
         before = set(graph.get_operations())
         plan = memsave.plan(loss, ws, checkpoints=strategy, min_checkpoint_size=0,
                             offload=offload if offload == "auto" else offload(hs),
-                            swapin_ahead=ahead)
+                            offload_model=OffloadModel(swapin_ahead=ahead))
         grads = memsave.gradients(loss, ws, checkpoints=strategy, min_checkpoint_size=0,
                                   offload=offload if offload == "auto" else offload(hs),
-                                  swapin_ahead=ahead, swapin_groupby=groupby)
+                                  offload_model=OffloadModel(swapin_ahead=ahead,
+                                                             swapin_groupby=groupby))
         plain = tf.gradients(loss, ws)
     return graph, before, plan, grads, plain
 
@@ -151,7 +152,7 @@ def test_swap_ins_grouped_by_distance(groupby, expected):
             cps.append(h)
         loss = tf.reduce_sum((h + skip) ** 2)   # a long skip: read at the top and the bottom
         grads = memsave.gradients(loss, ws, checkpoints=cps[1::2], offload=[skip],
-                                  swapin_groupby=groupby)
+                                  offload_model=OffloadModel(swapin_groupby=groupby))
         plain = tf.gradients(loss, ws)
     outs = [c for c in skip.consumers() if c.name.endswith("swap_out")]
     ins = [c for c in outs[0].outputs[0].consumers() if "swap_in" in c.name]
@@ -242,7 +243,8 @@ def test_everything_offloaded_chain_estimate():
     weights = 64 * 64 * 64 * 4
     graph, ws, acts, loss = _chain_plan_graph()
     with graph.as_default():
-        no_prefetch = memsave.plan(loss, ws, checkpoints=[], offload=acts[:-1], swapin_ahead=0)
+        no_prefetch = memsave.plan(loss, ws, checkpoints=[], offload=acts[:-1],
+                                   offload_model=OffloadModel(swapin_ahead=0))
         prefetch = memsave.plan(loss, ws, checkpoints=[], offload=acts[:-1])
     print("\n64-layer chain, all offloaded: device %.1f activations (swapin_ahead=0), %.1f "
           "(ahead=1); plain %.1f; host %.1f" % (
@@ -351,15 +353,24 @@ def test_offloading_a_y_or_an_x_is_refused():
             memsave.gradients(loss, ws + [x], checkpoints=[hs[1]], offload=[x])
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize("fields,match", [
     ({"swapin_ahead": -1}, "swapin_ahead must be an int >= 0"),
     ({"swapin_groupby": 1.5}, "swapin_groupby must be an int >= 0"),
     ({"host_bandwidth": 0}, "host_bandwidth must be a positive number"),
 ])
-def test_bad_swap_settings(kwargs, match):
+def test_bad_swap_settings(fields, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadModel(**fields)
+
+
+def test_offload_settings_are_an_offload_model():
     graph, ws, hs, loss = _small()
-    with graph.as_default(), pytest.raises(ValueError, match=match):
-        memsave.gradients(loss, ws, checkpoints=[hs[1]], offload=[hs[1]], **kwargs)
+    with graph.as_default():
+        with pytest.raises(TypeError, match="OffloadModel"):
+            memsave.gradients(loss, ws, checkpoints=[hs[1]], offload=[hs[1]], swapin_ahead=0)
+        with pytest.raises(TypeError, match="offload_model must be a memsave.OffloadModel"):
+            memsave.gradients(loss, ws, checkpoints=[hs[1]], offload=[hs[1]],
+                              offload_model={"swapin_ahead": 0})
 
 
 def test_cpu_only_says_offloading_saves_nothing(caplog):

@@ -217,9 +217,10 @@ def _call(strategy, built, options=None):
     if options.get("offload") == "listed":
         options["offload"] = built["checkpoints"]
     if options.get("budget") == "midway":
-        # Halfway between the lowest estimate and plain's: it binds, and fits.
+        # Halfway between the lowest estimate and plain's: it binds, and fits
+        # (a budget is at least a byte, also where nothing between xs and ys has a size).
         lowest = memsave.plan(ys, xs, checkpoints="optimal", min_checkpoint_size=0)
-        options["budget"] = (lowest.estimated_peak_bytes + lowest.plain_peak_bytes) // 2
+        options["budget"] = max(1, (lowest.estimated_peak_bytes + lowest.plain_peak_bytes) // 2)
     return memsave.gradients(ys, xs, grad_ys, checkpoints=cps, min_checkpoint_size=0,
                              **options)
 
@@ -310,7 +311,7 @@ def run_session_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=T
             ours[label] = grads
             if oracle and strategy == "memory" and not options and _region(built["ys"],
                                                                  _handles(built["xs"])):
-                plan = memsave.plan(built["ys"], built["xs"], "memory", min_checkpoint_size=0)
+                plan = memsave.plan(built["ys"], built["xs"], checkpoints="memory", min_checkpoint_size=0)
                 note("memory kept %s" % (plan.checkpoints,))
                 true = set(brute_force_bottlenecks(built["ys"], built["xs"], strict=True))
                 assert set(plan.checkpoints) <= true, (
@@ -458,7 +459,7 @@ def test_no_bottleneck_only_when_none_exists_strict():
         with graph.as_default():
             built = graphgen.build(tf, spec, graphgen.make_variables(tf, spec))
             try:
-                memsave.plan(built["ys"], built["xs"], "memory", min_checkpoint_size=0)
+                memsave.plan(built["ys"], built["xs"], checkpoints="memory", min_checkpoint_size=0)
             except memsave.NoBottleneckError:
                 found = brute_force_bottlenecks(built["ys"], built["xs"], strict=True)
                 assert not found, "NoBottleneckError, but %s cut the graph" % found

@@ -2,7 +2,7 @@
 
 Gradients (and losses) equal a plain tf.GradientTape over the same blocks on
 the same weights, log-det included; peak memory does not grow with depth;
-drifting blocks are reported and, with fallback='store', stored; bad input
+drifting blocks are reported and, with store_drifted=True, stored; bad input
 raises clear errors; memsave's checkpointing works on models that contain a
 ReversibleSequence.
 """
@@ -254,7 +254,7 @@ def test_peak_memory_constant_in_depth():
 def test_drift_checks_keep_memory_constant():
     # The check of each block runs before the next block starts, and the
     # store of a healthy block is empty.
-    checked = {n: peak_memory(revnet_step(n, False, check_inverse=True, fallback="store")) / MiB
+    checked = {n: peak_memory(revnet_step(n, False, check_inverse=True, store_drifted=True)) / MiB
                for n in (8, 32)}
     assert checked[32] / checked[8] <= 1.5, checked
 
@@ -298,8 +298,8 @@ def test_drift_warns_and_store_fallback_is_exact(kind, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="memsave"):
         loss, plain_loss, ours, plain = _compare(layers(), x, check_inverse=True,
-                                                 fallback="store")
-    assert any("fallback='store'" in r.getMessage() for r in caplog.records)
+                                                 store_drifted=True)
+    assert any("store_drifted=True" in r.getMessage() for r in caplog.records)
     np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
     _assert_close(ours, plain)
 
@@ -308,7 +308,7 @@ def test_check_every_and_drift_report(caplog):
     rng = np.random.RandomState(10)
     x = tf.constant(rng.randn(8, C).astype(np.float32))
     layers = [R.ActNorm(C), _ill_conditioned("actnorm")]
-    seq = R.ReversibleSequence(layers, check_inverse=True, check_every=3, fallback="store")
+    seq = R.ReversibleSequence(layers, check_inverse=True, check_every=3, store_drifted=True)
     step = tf.function(lambda: seq(x))
     with caplog.at_level(logging.WARNING, logger="memsave"):
         step()
@@ -328,7 +328,7 @@ def test_healthy_blocks_do_not_warn(caplog):
     x = tf.constant(rng.randn(8, C).astype(np.float32))
     with caplog.at_level(logging.WARNING, logger="memsave"):
         _, _, ours, plain = _compare([_block(k, 0, rng) for k in KINDS], x,
-                                     check_inverse=True, fallback="store")
+                                     check_inverse=True, store_drifted=True)
     # (TensorFlow's own retracing warnings may land here: count memsave's.)
     assert not [r for r in caplog.records if r.name == "memsave"]
     _assert_close(ours, plain)
@@ -388,10 +388,10 @@ def test_bad_sequences_raise():
         R.ReversibleSequence([R.ActNorm(4), "x"])
     with pytest.raises(TypeError, match="block 0"):
         R.ReversibleSequence([R.ActNorm])          # the class, not a block
-    with pytest.raises(ValueError, match="fallback"):
-        R.ReversibleSequence([R.ActNorm(4)], check_inverse=True, fallback="keep")
+    with pytest.raises(TypeError, match="store_drifted"):
+        R.ReversibleSequence([R.ActNorm(4)], check_inverse=True, store_drifted="store")
     with pytest.raises(ValueError, match="needs check_inverse=True"):
-        R.ReversibleSequence([R.ActNorm(4)], fallback="store")
+        R.ReversibleSequence([R.ActNorm(4)], store_drifted=True)
     with pytest.raises(ValueError, match="tolerance"):
         R.ReversibleSequence([R.ActNorm(4)], tolerance=-1)
     with pytest.raises(ValueError, match="check_every"):

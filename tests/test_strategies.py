@@ -72,6 +72,18 @@ def _module_imports(path):
     return found
 
 
+def test_no_function_is_over_60_lines():
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append("%s:%d %s (%d lines)" % (path.relative_to(ROOT), node.lineno,
+                                                         node.name, lines))
+    assert not long, "split these into named steps: %s" % long
+
+
 def test_no_import_cycles():
     modules = {}
     for path in ROOT.rglob("*.py"):
@@ -168,6 +180,47 @@ def test_a_plain_function_is_a_strategy():
         assert 0 < plan.estimated_peak_bytes < plan.plain_peak_bytes
         grads = memsave.gradients(loss, ws, checkpoints=every_third_tanh)
     assert_same_as_plain(graph, loss, ws, grads)
+
+
+def test_a_five_line_strategy_reports_as_much_as_a_built_in():
+    def every_other_tanh(graph):
+        return [n for n, d in graph.nodes(data=True)
+                if d.candidate and d.op_type == "Tanh" and d.order % 4 == 0]
+
+    graph = tf.Graph()
+    loss, ws, _ = _tf_chain(graph)
+    with graph.as_default():
+        ours = memsave.plan(loss, ws, checkpoints=every_other_tanh)
+        built_in = memsave.plan(loss, ws, checkpoints="speed")
+    assert ours.strategy == "every_other_tanh" and ours.checkpoints
+    assert ours.recompute_fraction > 0
+
+    def lines(plan):
+        return [line.split(":")[0].split("(")[0].split(" about")[0]
+                for line in plan.summary().splitlines()]
+
+    assert lines(ours) == lines(built_in), (ours.summary(), built_in.summary())
+
+
+def test_keep_expensive_and_matching():
+    graph = tf.Graph()
+    loss, ws, acts = _tf_chain(graph)
+    with graph.as_default():
+        expensive = memsave.plan(loss, ws, checkpoints=planning.keep_expensive)
+        assert expensive.strategy == "keep_expensive" and expensive.checkpoints
+        assert all(graph.get_tensor_by_name(n).op.type == "MatMul"
+                   for n in expensive.checkpoints)
+        pattern = planning.matching(r"^Tanh(_[0-9]+)?:0$")
+        by_pattern = memsave.plan(loss, ws, checkpoints=planning.keep_names(pattern))
+        by_type = memsave.plan(loss, ws, checkpoints=planning.keep_op_types("Tanh"))
+        assert by_pattern.checkpoints and by_pattern.checkpoints == by_type.checkpoints
+        assert set(by_pattern.checkpoints) <= {a.name for a in acts}
+        grads = [memsave.gradients(loss, ws, checkpoints=c) for c in (
+            planning.keep_expensive, planning.never_keep(pattern))]
+    for g in grads:
+        assert_same_as_plain(graph, loss, ws, g)
+    with pytest.raises(ValueError, match="regular expression"):
+        planning.matching("(")
 
 
 def test_registered_names_and_policies():

@@ -10,7 +10,8 @@ from memsave.planning.dag import FIELDS, PlanGraph, TensorNode
 from memsave.planning.offload import OffloadModel
 from memsave.planning.optimal import optimal
 from memsave.planning.plan import Plan
-from memsave.planning.policies import always_keep, combine, keep_names, keep_op_types, never_keep
+from memsave.planning.policies import (always_keep, combine, keep_expensive, keep_names,
+                                       keep_op_types, matching, never_keep)
 from memsave.planning.registry import (register_strategy, run, strategy_names,
                                        unregister_strategy)
 from memsave.planning.simulate import simulate_peak
@@ -20,7 +21,8 @@ from memsave.planning.strategies import (bottlenecks, explicit, memory, plan_for
 __all__ = [
     "BudgetError", "FIELDS", "NoBottleneckError", "OffloadModel", "Plan", "PlanGraph",
     "PlanGraphError", "StrategyError", "TensorNode", "always_keep", "bottlenecks", "combine",
-    "explicit", "keep_names", "keep_op_types", "memory", "never_keep", "optimal", "plan_for",
+    "explicit", "keep_expensive", "keep_names", "keep_op_types", "matching", "memory",
+    "never_keep", "optimal", "plan_for",
     "register_strategy", "run", "simulate_peak", "speed", "speed_candidates", "strategy_names",
     "unregister_strategy", "with_offload",
 ]

@@ -56,16 +56,16 @@ class TensorNode:
     bytes: typing.Optional[int] = None
     cost: float = 0.0
     op_type: str = ""
-    x: bool = False
+    x: bool = False                     # the docstring's roles start here
     y: bool = False
     forced: bool = False
     candidate: bool = False
     offloadable: bool = False
-    saved: bool = True
+    saved: bool = True                  # what backprop reads
     grad_reads_output: bool = True
     grad_reads_inputs: bool = True
-    sized_exactly: bool = True
-    expensive: bool = False
+    sized_exactly: bool = True          # a size flag (see Sizes)
+    expensive: bool = False             # op kinds
     split_gradient: bool = False
     input_read: bool = False
     grad_bytes: typing.Optional[int] = None
@@ -93,12 +93,30 @@ class TensorNode:
 FIELDS = tuple(f.name for f in dataclasses.fields(TensorNode))
 
 
+class NodeRecord(dict):
+    """A tensor's fields as a :class:`PlanGraph` stores them: ``node["bytes"]`` or ``node.bytes``.
+
+    The one record strategies, policies and selectors all read.
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, field):
+        try:
+            return self[field]
+        except KeyError:
+            raise AttributeError(field) from None
+
+
 class PlanGraph(nx.DiGraph):
     """A DAG of :class:`TensorNode` tensors (see the module docstring).
 
+    ``graph.nodes[name]`` is the tensor's :class:`NodeRecord`.
     ``unknown_dims`` counts tensors whose shape was not fully known when the
     graph was built.
     """
+
+    node_attr_dict_factory = NodeRecord
 
     def add_tensor(self, name, **fields):
         """Add (or replace) tensor ``name``; unknown or ill-typed fields raise."""

@@ -27,17 +27,38 @@ DEFAULT_DEVICE_FLOPS = 1.5e13
 
 @dataclasses.dataclass(frozen=True)
 class OffloadModel:
-    """Transfer bandwidth against device speed, for choosing what to offload."""
+    """How offloading runs and what it costs: ``offload_model=`` of every entry point.
+
+    ``host_bandwidth`` (bytes/s) against ``device_flops`` decides what is
+    worth offloading. Each swap-in starts ``swapin_ahead`` backward ops
+    before its first reader (0: it waits for the reader, and the plan knows
+    no swap-in arrives early) and is shared by readers at most
+    ``swapin_groupby`` ops apart; swapped-out tensors wait on ``host_device``.
+    """
 
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     device_flops: float = DEFAULT_DEVICE_FLOPS
-    prefetch: bool = True   # swap-ins start before the segment that needs them
+    swapin_ahead: int = 1
+    swapin_groupby: int = 5
+    host_device: str = "/device:CPU:0"
 
     def __post_init__(self):
         for field in ("host_bandwidth", "device_flops"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError("%s must be a positive number, got %r" % (field, value))
+        for field in ("swapin_ahead", "swapin_groupby"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError("%s must be an int >= 0, got %r" % (field, value))
+        if not isinstance(self.host_device, str) or not self.host_device:
+            raise TypeError("host_device must be a device name such as '/device:CPU:0', got %r"
+                            % (self.host_device,))
+
+    @property
+    def prefetch(self):
+        """Whether swap-ins start before the segment that needs them."""
+        return self.swapin_ahead > 0
 
     def transfer_seconds(self, nbytes):
         return nbytes / self.host_bandwidth

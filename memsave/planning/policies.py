@@ -2,8 +2,11 @@
 
 Each function here returns a strategy (see :mod:`memsave.planning.registry`):
 
-* :func:`keep_op_types` keeps the outputs of the named op types (JAX's
-  ``dots_saveable``: ``keep_op_types("MatMul", "BatchMatMulV2")``);
+* :func:`keep_expensive` keeps the outputs of ops with many FLOPs per byte
+  (matmuls, convolutions, einsums: JAX's ``dots_saveable``), from the
+  planning graph's ``expensive`` flag;
+* :func:`keep_op_types` keeps the outputs of the named op types
+  (``keep_op_types("MatMul", "BatchMatMulV2")``);
 * :func:`keep_names` keeps the named tensors (``save_only_these_names``);
 * :func:`never_keep` and :func:`always_keep` constrain another strategy,
   'optimal' by default, which plans the rest (budget included);
@@ -11,14 +14,17 @@ Each function here returns a strategy (see :mod:`memsave.planning.registry`):
 
 A *selector* names tensors: a string matches a tensor name
 (``"block1/conv/Conv2D:0"``), an op name (``"block1/conv/Conv2D"``) or an
-op type (``"Softmax"``); a callable ``select(name, node)`` gets the tensor
-name and its :class:`~memsave.planning.dag.TensorNode`.
+op type (``"Softmax"``); :func:`matching` selects tensor names by a regular
+expression; a callable ``select(name, node)`` gets the tensor name and its
+node, the very record strategies read (``node["op_type"]`` or
+``node.op_type``).
 """
 
 import logging
+import re
 
 from memsave.planning import registry
-from memsave.planning.dag import TensorNode, topological
+from memsave.planning.dag import topological
 from memsave.planning.simulate import simulate_peak
 from memsave.planning.strategies import plan_for, with_offload
 
@@ -43,7 +49,7 @@ def _matcher(selectors, what):
         data = graph.nodes[name]
         if name in strings or name.rpartition(":")[0] in strings or data["op_type"] in strings:
             return True
-        return any(c(name, TensorNode(**data)) for c in calls)
+        return any(c(name, data) for c in calls)
 
     return match, strings
 
@@ -69,6 +75,34 @@ def _resolve(then):
     if callable(then):
         return then
     raise TypeError("then= must be a strategy name or a callable strategy, got %r" % (then,))
+
+
+def matching(pattern):
+    """A selector of the tensors whose name matches the regular expression ``pattern``
+    (``re.search``: ``matching(r"attention.*/Softmax")``)."""
+    try:
+        compiled = re.compile(pattern)
+    except (TypeError, re.error) as e:
+        raise ValueError("matching needs a regular expression, got %r (%s)" % (pattern, e)) \
+            from None
+
+    def select(name, node):
+        del node
+        return compiled.search(name) is not None
+
+    select.__name__ = "matching(%r)" % pattern
+    return select
+
+
+def keep_expensive(graph):
+    """A strategy: keep the outputs of expensive ops (matmuls, convolutions), nothing else.
+
+    The choice comes from the planning graph's ``expensive`` flag (many
+    FLOPs per byte), not from op names. Everything between those outputs is
+    recomputed, by every segment that needs it ('speed' also keeps what
+    several segments would each recompute).
+    """
+    return [n for n, d in graph.nodes(data=True) if d["candidate"] and d["expensive"]]
 
 
 def keep_op_types(*op_types):

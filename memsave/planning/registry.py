@@ -79,12 +79,18 @@ def lookup(name):
 
 
 def label(strategy):
-    """How plans and logs name ``strategy``."""
-    for name, registered in list(_registry.items()):
-        if registered is strategy:
-            return name
-    return getattr(strategy, "strategy_name", None) or getattr(
-        strategy, "__name__", type(strategy).__name__)
+    """How plans and logs name ``strategy``: its registered name, else its own name.
+
+    The policies of :mod:`memsave.planning.policies` set ``strategy_name``;
+    a ``functools.partial`` is named after its function.
+    """
+    with _lock:
+        for name, registered in _registry.items():
+            if registered is strategy:
+                return name
+    named = getattr(strategy, "func", strategy)
+    return (getattr(strategy, "strategy_name", None) or getattr(named, "__name__", None)
+            or type(strategy).__name__)
 
 
 def accepts(strategy, option):
@@ -129,6 +135,7 @@ def _run(strategy, graph, options):
     if isinstance(result, Plan):
         names = list(result.checkpoints) + list(result.offloaded)
         _check_names(graph, name, names)
+        result.strategy = name
         return result
     if result is None or isinstance(result, (str, bytes)) or not _iterable(result):
         raise StrategyError(

@@ -15,7 +15,8 @@ from memsave.errors import NoBottleneckError
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.plan import Plan
-from memsave.planning.simulate import prepare, shared_recomputation, simulate_peak
+from memsave.planning.simulate import (prepare, recompute_cost, shared_recomputation,
+                                       simulate_peak)
 
 logger = logging.getLogger("memsave")
 
@@ -26,10 +27,19 @@ def plan_for(graph, chosen, strategy, notes=()):
     """A :class:`Plan` that keeps ``chosen`` (names in ``graph``), with estimates."""
     chosen = topological(graph, set(chosen))
     forced = nodes_where(graph, "forced")
-    peak = simulate_peak(graph, set(chosen) | set(forced))
-    plain = simulate_peak(graph, ())
+    prepared = prepare(graph)
+    peak = simulate_peak(graph, set(chosen) | set(forced), prepared)
+    plain = simulate_peak(graph, (), prepared)
+    # Nothing kept at all is plain backprop, which recomputes nothing.
+    work = recompute_cost(graph, chosen, prepared) if chosen or forced else 0.0
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
-                estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes))
+                estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes),
+                recompute_fraction=work / (forward_work(graph) or 1.0))
+
+
+def forward_work(graph):
+    """The work of one forward pass (``cost`` summed): what recompute fractions count in."""
+    return sum(d["cost"] for _, d in graph.nodes(data=True) if not d["x"])
 
 
 def with_offload(graph, plan, names=None, model=None):
@@ -119,18 +129,7 @@ def bottlenecks(graph):
     ancestor that the checkpoint lets backprop forget. Returned in
     topological order.
     """
-    und = nx.Graph(graph.to_undirected(as_view=True))
-    # xs and reads of them are alive for the whole step: a path through them
-    # (a weight shared by layers, a weight-decay term) never makes backprop
-    # keep or recompute an activation, so it must not hide a bottleneck.
-    und.remove_nodes_from([n for n, d in graph.nodes(data=True)
-                           if d["x"] or d["input_read"]])
-    ys = [n for n, d in graph.nodes(data=True) if d["y"]]
-    # Outputs no y reads (a batch norm's batch statistics) come and go with
-    # their op: hanging off one input, they would make it look like a cut.
-    live = set(ys).union(*(nx.ancestors(graph, y) for y in ys))
-    und.remove_nodes_from([n for n in graph if n not in live])
-    und.add_edges_from((_SINK, y) for y in ys)
+    und = _live_undirected(graph)
     if und.number_of_nodes() < 3:
         return []
     aps = set(nx.articulation_points(und))
@@ -144,8 +143,34 @@ def bottlenecks(graph):
         b = graph.nodes[n]["bytes"]
         return 1 if b is None else b
 
-    # Block-cut tree rooted at the sink; a cut vertex's subtree below it is
-    # exactly what its removal disconnects from the sink.
+    parents, below = _bytes_below_cuts(und, aps, weight)
+    found = [n for n in aps if n != _SINK and ("cut", n) in parents
+             and below[("cut", n)] - weight(n) > 0]
+    return topological(graph, found)
+
+
+def _live_undirected(graph):
+    """The region as an undirected graph of what backprop keeps alive, joined at a sink."""
+    und = nx.Graph(graph.to_undirected(as_view=True))
+    # xs and reads of them are alive for the whole step: a path through them
+    # (a weight shared by layers, a weight-decay term) never makes backprop
+    # keep or recompute an activation, so it must not hide a bottleneck.
+    und.remove_nodes_from([n for n, d in graph.nodes(data=True)
+                           if d["x"] or d["input_read"]])
+    ys = [n for n, d in graph.nodes(data=True) if d["y"]]
+    # Outputs no y reads (a batch norm's batch statistics) come and go with
+    # their op: hanging off one input, they would make it look like a cut.
+    live = set(ys).union(*(nx.ancestors(graph, y) for y in ys))
+    und.remove_nodes_from([n for n in graph if n not in live])
+    und.add_edges_from((_SINK, y) for y in ys)
+    return und
+
+
+def _bytes_below_cuts(und, aps, weight):
+    """The block-cut tree rooted at the sink: (parents, bytes of each subtree).
+
+    A cut vertex's subtree is exactly what its removal disconnects from the sink.
+    """
     tree = nx.Graph()
     own = {}
     root = ("cut", _SINK) if _SINK in aps else None
@@ -163,14 +188,7 @@ def bottlenecks(graph):
     for node in reversed([root] + list(parents)):
         if node in parents:
             below[parents[node]] += below[node]
-    found = []
-    for n in aps:
-        if n == _SINK:
-            continue
-        node = ("cut", n)
-        if node in parents and below[node] - weight(n) > 0:
-            found.append(n)
-    return topological(graph, found)
+    return parents, below
 
 
 def memory(graph, min_checkpoint_size=1024):
