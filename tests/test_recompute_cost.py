@@ -18,6 +18,7 @@ import tensorflow as tf
 import memsave
 from memsave.graph.region import FLOPS_PER_BYTE, op_cost
 from memsave.planning import simulate
+from memsave.planning.strategies import forward_work
 from tests import builders
 
 optimal_module = importlib.import_module("memsave.planning.optimal")
@@ -89,7 +90,7 @@ def test_recompute_cap_holds_on_the_copies_made():
 
     def capped(graph):
         plan = optimal_module.optimal(graph, max_recompute=0.2)
-        box.update(graph=graph, plan=plan, forward=optimal_module.forward_flops(graph))
+        box.update(graph=graph, plan=plan, forward=forward_work(graph))
         return plan.checkpoints
 
     _run(chain, capped)

@@ -24,7 +24,8 @@ from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
 from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
-from memsave.planning.strategies import memory, recompute_once, speed_candidates
+from memsave.planning.strategies import (forward_work, memory, recompute_once,
+                                         speed_candidates)
 
 logger = logging.getLogger("memsave")
 
@@ -143,10 +144,6 @@ def _selective(graph, prepared, cap=None, limit=None, forced=()):
     return [kept_after(hi)]
 
 
-def forward_flops(graph):
-    return sum(d["cost"] for _, d in graph.nodes(data=True) if not d["x"])
-
-
 def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None):
     """Candidate plans: (estimated peak, recompute cost, kept) for a grid of limits.
 
@@ -229,7 +226,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     prepared = prepare(graph)
     plain = simulate_peak(graph, (), prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
-    forward = forward_flops(graph) or 1.0
+    forward = forward_work(graph) or 1.0
     cap = None if max_recompute is None else max_recompute * forward
     kept_sets = _candidate_kept_sets(graph, prepared, forced, limit, cap,
                                      model if offload else None)
