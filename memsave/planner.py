@@ -35,7 +35,8 @@ def plan_region(region, settings, compiled=False):
         _check_offloadable(graph, offload_names)
         chosen = strategies.with_offload(graph, chosen, offload_names, settings.offload_model)
     chosen.notes.extend(resolved.notes)
-    chosen.unknown_dims = graph.unknown_dims
+    # Tensors sized with a guess: still unknown, or sized from nominal sizes.
+    chosen.unknown_dims = graph.unknown_dims + (len(resolved.shapes) if resolved.nominal else 0)
     if graph.unknown_dims:
         _say_unknown_dims(chosen, graph.unknown_dims, settings.batch_size, resolved.notes)
     return chosen

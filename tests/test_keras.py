@@ -357,8 +357,8 @@ def test_memory_64_dense_layers():
 @pytest.mark.parametrize("strategy", ["memory", "optimal"])
 def test_partial_last_batch_with_default_checkpoint_size(strategy, rewrites):
     """300 samples in batches of 128: Keras retraces the last batch of 44 with an
-    unknown batch size. Sizes taken as 1 there must not rule out every
-    bottleneck ('memory' used to stop fit with a misleading error)."""
+    unknown batch size. Guessed sizes there must not rule out every
+    bottleneck (a misleading error from 'memory' would stop fit)."""
     def build():
         keras.utils.set_random_seed(0)
         return keras.Sequential([keras.Input((WIDTH,))]

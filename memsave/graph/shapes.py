@@ -9,10 +9,17 @@ import) whose data sources have concrete shapes taken from, in order:
 - a ``shapes`` hint (``{tensor or name: shape}``),
 - the shapes the same ``tf.function`` had when it was first traced (what
   Keras' relaxed retrace would have been sized as),
-- ``batch_size``, for the leading axis of sources.
+- ``batch_size``, for the leading axis of sources,
+- nominal sizes, where nothing above sizes an axis: a batch of
+  :data:`NOMINAL_BATCH` for the leading axis and :data:`NOMINAL_AXIS` for
+  any other (height, width, sequence). Absolute sizes are then a guess,
+  but relative ones, through pooling, strides, upsampling and
+  concatenation, come out right, which is what choosing checkpoints needs;
+  the plan's notes say so and the plan counts as sized with a guess.
 
 The copy is only read for its shapes; it never runs. Dimensions still
-unknown afterwards are sized by the caller's old rule, and said so.
+unknown afterwards (data-dependent ones, or where inference fails) are
+sized by the caller's rule, and said so.
 """
 
 import collections
@@ -31,12 +38,17 @@ SOURCE_TYPES = frozenset({
     "OptionalGetValue",
 })
 
+# Sizes for the axes of data sources that nothing else sizes (see the module docstring).
+NOMINAL_BATCH = 32    # Keras' default batch
+NOMINAL_AXIS = 128
+
 # Shapes seen at earlier traces, per (function, xs, source tensor); bounded.
 _FIRST_SEEN = collections.OrderedDict()
 _FIRST_SEEN_LIMIT = 4096
 
 
-Resolved = collections.namedtuple("Resolved", "shapes notes")
+# ``nominal``: some source was sized with nominal sizes (a guess).
+Resolved = collections.namedtuple("Resolved", "shapes notes nominal")
 
 
 def _sources(ancestors):
@@ -112,26 +124,36 @@ def _source_hints(region, ancestors, shapes, batch_size):
             "%s %s" % (n, s) for n, s in sorted(hints.items())))
     sources = _sources(ancestors)
     key = _trace_key(region)
-    from_trace, from_batch = [], []
+    from_trace, from_batch, nominal = [], [], []
     for name, t in sorted(sources.items()):
         if key is not None and t.shape.is_fully_defined():
             _remember((key, name), t.shape)
-        if name in hints or t.shape.is_fully_defined():
+        if name in hints or t.shape.is_fully_defined() or t.shape.rank is None:
             continue
         seen = _FIRST_SEEN.get((key, name)) if key is not None else None
         if seen is not None and seen.is_compatible_with(t.shape):
             hints[name] = seen
             from_trace.append("%s %s" % (name, seen))
             continue
-        if batch_size and t.shape.rank and t.shape[0] is None:
-            hints[name] = tf.TensorShape([batch_size]).concatenate(t.shape[1:])
+        dims = t.shape.as_list()
+        if batch_size and dims and dims[0] is None:
+            dims[0] = batch_size
             from_batch.append(name)
+        if None in dims:
+            dims = [NOMINAL_AXIS if d is None and i else NOMINAL_BATCH if d is None else d
+                    for i, d in enumerate(dims)]
+            nominal.append("%s %s" % (name, dims))
+        hints[name] = tf.TensorShape(dims)
     if from_trace:
         notes.append("sizes from the first trace of %s: %s" % (key[0], ", ".join(from_trace)))
     if from_batch:
         notes.append("batch_size=%d for the leading axis of %s" % (batch_size,
                                                                    ", ".join(from_batch)))
-    return hints, notes
+    if nominal:
+        notes.append("nominal sizes (batch %d, other unknown axes %d) for %s: relative sizes "
+                     "are right, absolute ones a guess; pass shapes= or batch_size= to size "
+                     "them" % (NOMINAL_BATCH, NOMINAL_AXIS, ", ".join(nominal)))
+    return hints, notes, bool(nominal)
 
 
 def _remember(key, shape):
@@ -185,19 +207,20 @@ def _infer(region, ancestors, hints):
 
 
 def resolve(region, shapes=None, batch_size=None):
-    """``Resolved(shapes, notes)``: better static shapes for region tensors.
+    """``Resolved(shapes, notes, nominal)``: better static shapes for region tensors.
 
     ``shapes`` maps tensor names to shapes at least as defined as the
     graph's; it is empty when the graph knows every shape or nothing could
-    be learned. ``notes`` say where the sizes came from.
+    be learned. ``notes`` say where the sizes came from; ``nominal``
+    whether some of them are nominal (a guess).
     """
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError("batch_size must be an int >= 1, got %r" % (batch_size,))
     unknown = any(not t.shape.is_fully_defined() for op in region.ops for t in op.outputs)
     ancestors = backward_ops(region.ops, control=True)
-    hints, notes = _source_hints(region, ancestors, shapes, batch_size)
+    hints, notes, nominal = _source_hints(region, ancestors, shapes, batch_size)
     if not unknown or not hints:
-        return Resolved({}, notes if unknown else [])
+        return Resolved({}, notes if unknown else [], False)
     try:
         inferred = _infer(region, ancestors, hints)
     except Exception as e:   # pylint: disable=broad-except
@@ -205,5 +228,5 @@ def resolve(region, shapes=None, batch_size=None):
         logger.info("memsave: could not infer shapes from the hints (%s: %s)",
                     type(e).__name__, e)
         return Resolved({}, notes + ["shape inference from the hints failed (%s)"
-                                     % type(e).__name__])
-    return Resolved(inferred, notes)
+                                     % type(e).__name__], False)
+    return Resolved(inferred, notes, nominal)
