@@ -43,6 +43,23 @@ def test_examples_run(script):
     assert "| 'optimal' |" in out.stdout
 
 
+@pytest.mark.heavy   # three processes, about 20 s
+def test_fit_in_budget_example_trains_where_plain_runs_out_of_memory():
+    """examples/fit_in_budget.py: under the same allocator cap plain fit runs out
+    of memory and memsave with budget= trains, to plain's uncapped loss."""
+    sys.path.insert(0, "examples")
+    try:
+        import fit_in_budget   # pylint: disable=import-outside-toplevel
+    finally:
+        sys.path.remove("examples")
+    capped = fit_in_budget.run(fit_in_budget.LIMIT_MB, None)
+    ours = fit_in_budget.run(fit_in_budget.LIMIT_MB, fit_in_budget.BUDGET)
+    plain = fit_in_budget.run(None, None)
+    assert capped.startswith("OUT OF MEMORY"), capped
+    assert ours.startswith("trained") and plain.startswith("trained"), (ours, plain)
+    assert float(ours.split()[-1]) == pytest.approx(float(plain.split()[-1]), rel=1e-4)
+
+
 @pytest.mark.slow   # about a minute: a keras-hub GPT2 traced seven times
 def test_zoo_benchmark_quick(tmp_path):
     stdout = _run(["benchmarks.zoo", "--quick", "--models", "GPT2", "--pairs", "1"], tmp_path)
