@@ -47,10 +47,11 @@ class Checkpoints:
     """``checkpoints=`` resolved: a strategy over the planning graph, or tensors to keep.
 
     ``strategy`` is None for tensors: ``tensors`` lists them, or is None for
-    the graph's 'checkpoints' collection. ``by_name``: a registered name was
-    given, a request to save memory, so plain gradients may be used where
-    the plan would not (see ``fallback``); a list or a callable is the
-    user's own choice and always honoured.
+    the graph's 'checkpoints' collection. ``by_name``: a name was given
+    ('optimal', 'collection', a registered one), a request to save memory,
+    so plain gradients may be used where the plan would not (see
+    ``fallback``); a list or a callable is the user's own choice and always
+    honoured.
     """
 
     given: object
@@ -146,7 +147,7 @@ def resolve_checkpoints(checkpoints):
     """``checkpoints=`` as a :class:`Checkpoints`, or a clear error."""
     if isinstance(checkpoints, str):
         if checkpoints == COLLECTION:
-            return Checkpoints(checkpoints, COLLECTION)
+            return Checkpoints(checkpoints, COLLECTION, by_name=True)
         strategy = registry.lookup(checkpoints)
         if strategy is None:
             raise ValueError("unknown checkpoints strategy %r; use one of %s, a callable "

@@ -80,6 +80,7 @@ def test_the_settings_object_is_what_everything_reads():
     assert resolved.checkpoints.label == "speed" and resolved.checkpoints.by_name
     assert resolved.min_checkpoint_size == 0 and resolved.offload == "auto"
     assert resolved.offload_model.prefetch is False
+    assert settings.resolve("collection", {}, "test").checkpoints.by_name
     listed = settings.resolve([tf.constant(1.0)], {}, "test").checkpoints
     assert listed.label == "list" and not listed.by_name and len(listed.tensors) == 1
     with pytest.raises(ValueError, match="budget= needs checkpoints='optimal'"):

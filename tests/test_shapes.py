@@ -209,6 +209,13 @@ def test_fallback_to_plain_when_the_plan_does_not_pay(caplog):
                        if op.type != "NoOp"), "rewrote although the plan does not pay"
         kept = memsave.gradients(loss, [w1, w2], checkpoints=[h], name="kept")
         assert len(graph.get_operations()) - before - plain_ops > plain_ops
+        # 'collection' is a name too: the tensors tagged into it are a request
+        # to save memory, and fall back like the other names.
+        tf.compat.v1.add_to_collection("checkpoints", h)
+        tagged = len(graph.get_operations())
+        memsave.gradients(loss, [w1, w2], checkpoints="collection", name="tagged")
+        assert not any("memsave" in op.name for op in graph.get_operations()[tagged:]
+                       if op.type != "NoOp")
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             a, b, c = sess.run([grads, tf.gradients(loss, [w1, w2]), kept])
