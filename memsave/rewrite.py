@@ -324,7 +324,7 @@ class _Rewrite:
         read_as = {**self.shields, **swapped}
         barred = {}
         if self.barriers:
-            barred = _barred_reads(ordered, ops, self.stop, read_as, self.region, self.wait,
+            barred = _barred_reads(ordered, self.stop, read_as, self.region, self.wait,
                                    self.segment)
             ledger.inserted(barred.values())
             read_as.update(barred)
@@ -487,9 +487,9 @@ def _dense_part(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
-def _barred_reads(ordered, ops, stop, read_as, region, wait_for, segment):
-    """``{ref: barrier output}`` for the float tensors ``ops`` read from outside
-    (``ordered``: the same ops in creation order).
+def _barred_reads(ordered, stop, read_as, region, wait_for, segment):
+    """``{ref: barrier output}`` for the float tensors the segment's ops
+    (``ordered``, in creation order) read from outside.
 
     Checkpoints and float tensors computed outside the region (the batch)
     go through one barrier together with the float ones of ``wait_for``
@@ -501,6 +501,7 @@ def _barred_reads(ordered, ops, stop, read_as, region, wait_for, segment):
     not values.
     """
     xs = {x.ref() for x in region.xs}
+    ops = set(ordered)
     reads = {}
     for op in ordered:
         for t in op.inputs:

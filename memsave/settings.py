@@ -232,9 +232,11 @@ def _count(name, value, least):
 
 
 def _shapes(value):
-    if value is not None and not hasattr(value, "items"):
+    if value is None:
+        return None
+    if not hasattr(value, "items"):
         raise TypeError("shapes must be a dict {input tensor or name: shape}, got %r" % (value,))
-    return value
+    return dict(value.items())
 
 
 def _verify(value):

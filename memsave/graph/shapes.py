@@ -87,12 +87,10 @@ def _as_shape(value, what):
 
 
 def _hint_names(graph, shapes):
-    """``{tensor name: TensorShape}`` from a user's ``shapes`` hint."""
+    """``{tensor name: TensorShape}`` from a user's ``shapes`` hint (a dict, or None;
+    :mod:`memsave.settings` checked that)."""
     if shapes is None:
         return {}
-    if not isinstance(shapes, dict):
-        raise TypeError("shapes must be a dict {tensor or tensor name: shape}, got %r"
-                        % (shapes,))
     out = {}
     for key, value in shapes.items():
         if isinstance(key, str):
@@ -140,7 +138,7 @@ def _source_hints(region, ancestors, shapes, batch_size):
             dims[0] = batch_size
             from_batch.append(name)
         if None in dims:
-            dims = [NOMINAL_AXIS if d is None and i else NOMINAL_BATCH if d is None else d
+            dims = [d if d is not None else NOMINAL_AXIS if i else NOMINAL_BATCH
                     for i, d in enumerate(dims)]
             nominal.append("%s %s" % (name, dims))
         hints[name] = tf.TensorShape(dims)
@@ -214,8 +212,6 @@ def resolve(region, shapes=None, batch_size=None):
     be learned. ``notes`` say where the sizes came from; ``nominal``
     whether some of them are nominal (a guess).
     """
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError("batch_size must be an int >= 1, got %r" % (batch_size,))
     unknown = any(not t.shape.is_fully_defined() for op in region.ops for t in op.outputs)
     ancestors = backward_ops(region.ops, control=True)
     hints, notes, nominal = _source_hints(region, ancestors, shapes, batch_size)
