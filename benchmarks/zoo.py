@@ -45,24 +45,38 @@ CONFIGS = (
     ("optimal (default)", "optimal", {}),
     ("memory", "memory", {}),
     ("speed", "speed", {}),
-    ("optimal, budget=0.5", "optimal", {"budget": 0.5}),
+    ("optimal, max_recompute=0.05", "optimal", {"max_recompute": 0.05}),
     ("optimal, max_recompute=0.1", "optimal", {"max_recompute": 0.1}),
     ("optimal, max_recompute=0.3", "optimal", {"max_recompute": 0.3}),
     ("optimal, max_recompute=0.5", "optimal", {"max_recompute": 0.5}),
+    ("budget 0.3 × plain", "optimal", {"budget": 0.3}),
+    ("budget 0.5 × plain", "optimal", {"budget": 0.5}),
+    ("budget 0.7 × plain", "optimal", {"budget": 0.7}),
 )
+# The 'budget' rows: a byte budget, the fraction times plain's measured peak in
+# the same process, kept on the allocator by memsave.budgeted (measured, then
+# replanned once if over or more than 10% below).
+BUDGET_ROWS = tuple(label for label, _, _ in CONFIGS if label.startswith("budget "))
 # (batch, image side) per model: activations outweigh weights. ResNet50's
 # weight gradients (about 90 MiB, held to the end of every plan) were a
 # third of plain's peak at batch 8; at 32 they are under a tenth.
+# For GPT2 and BERT the second figure is the sequence length (None: 128).
 SIZES = {"ResNet50": (32, 128), "DenseNet121": (8, 128), "MobileNetV2": (16, 128),
          "EfficientNetB0": (8, 128), "ConvNeXtTiny": (8, 128), "GPT2": (8, None),
-         "BERT": (8, None), "ResNet50@224": (32, 224)}
+         "BERT": (8, None), "ResNet50@224": (32, 224), "GPT2@1024": (4, 1024),
+         "BERT@1024": (4, 1024)}
 QUICK_SIZES = {name: (max(2, b // 4), s and s // 2) for name, (b, s) in SIZES.items()}
 MODELS = tuple(SIZES)
 # ResNet50 at ImageNet's resolution too, where its weight gradients are 3% of
 # plain's peak (10% at 128 px): the default and the budget, each step 3x
 # the 128 px one.
 ONLY = {"ResNet50@224": ("plain", "plain again", "optimal (default)",
-                         "optimal, budget=0.5")}
+                         "budget 0.5 × plain")}
+# GPT2 and BERT at 1,024 tokens, where attention scores (tokens² per head)
+# dominate: the default, the cheap regime and the budgets.
+for _key in ("GPT2@1024", "BERT@1024"):
+    ONLY[_key] = ("plain", "plain again", "optimal (default)", "optimal, max_recompute=0.05",
+                  "optimal, max_recompute=0.1") + BUDGET_ROWS
 
 
 def model_name(key):
@@ -80,12 +94,12 @@ def _build(name, batch, size):
     name = model_name(name)
     if name in APPLICATIONS:
         return build(name, batch, dtype="float32", size=size)
-    # The transformers at the issue's size: 4 layers, hidden 256, 128 tokens.
+    # The transformers: 4 layers, hidden 256, 128 tokens unless ``size`` says.
     import keras_hub  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
-    seq = 128
+    seq = size or 128
     config = dict(vocabulary_size=1000, num_layers=4, num_heads=4, hidden_dim=256,
                   intermediate_dim=1024, max_sequence_length=seq, dropout=0.0)
     ids = rng.randint(0, 1000, (batch, seq)).astype("int32")
@@ -137,19 +151,31 @@ def child(name, quick, pairs):
     logging.getLogger("memsave").setLevel(logging.INFO)
     rows, steps = [], {}
     for label, checkpoints, options in configs(name):
-        step = step_for(checkpoints, options)
+        budget = None
+        if label in BUDGET_ROWS:
+            budget = int(options["budget"] * rows[0]["peak_mib"] * MIB)   # plain's, bytes
+            step = memsave.budgeted(step_for(checkpoints, {"budget": budget}))
+        else:
+            step = step_for(checkpoints, options)
         said.lines.clear()
         reset_warnings()  # the tape's fallback warnings are once-only: say them per config
         try:
             first = timed(step)
+            calls = 1
+            while budget and not step.loop.done:   # measured, replanned at most once
+                first += timed(step)
+                calls += 1
         except (memsave.NoBottleneckError, ValueError) as e:
             rows.append(dict(model=name, config=label, error=error_line(e)))
             continue
         once = timed(step)
         steps[label] = step
-        rows.append(dict(model=name, config=label, batch=batch, size=size,
-                         fell_back=checkpoints is not None and said.fell_back(),
-                         build_s=max(0.0, first - once), peak_mib=peak_memory(step) / MIB))
+        row = dict(model=name, config=label, batch=batch, size=size,
+                   fell_back=checkpoints is not None and said.fell_back(),
+                   build_s=max(0.0, first - calls * once), peak_mib=peak_memory(step) / MIB)
+        if budget:
+            row.update(budget_mib=budget / MIB, replans=int(step.loop.replanned))
+        rows.append(row)
     plain = steps["plain"]
     for row in rows:
         if row["config"] not in steps or row["config"] == "plain":
@@ -192,6 +218,15 @@ def _run_child(name, quick, pairs):
     return json.loads(lines[-1])["rows"]
 
 
+def _kept_runs(path, runs):
+    """The runs of ``path`` whose models were not run now, then ``runs``, in MODELS' order."""
+    fresh = {rows[0]["model"] for rows in runs if rows}
+    old = json.loads(path.read_text())["runs"] if path.exists() else []
+    merged = [rows for rows in old if rows and rows[0]["model"] not in fresh] + runs
+    order = {m: i for i, m in enumerate(MODELS)}
+    return sorted(merged, key=lambda rows: order.get(rows[0]["model"], len(order)))
+
+
 def _summary(runs):
     """Per (model, config): min/median/max of peaks, median time ratio, build."""
     table = {}
@@ -211,8 +246,20 @@ def _summary(runs):
                         peak_max=peaks[-1], processes=len(ok),
                         time_ratio=statistics.median(ratios) if ratios else 1.0,
                         build_s=statistics.median(r["build_s"] for r in ok),
-                        fell_back=any(r.get("fell_back") for r in ok)))
+                        fell_back=any(r.get("fell_back") for r in ok), **_budget_summary(ok)))
     return out
+
+
+def _budget_summary(rows):
+    """A budget row's target (median over processes), replans, and in how many
+    processes the peak held (<= the target) and came within 10% below it."""
+    if "budget_mib" not in rows[0]:
+        return {}
+    return dict(budget_mib=statistics.median(r["budget_mib"] for r in rows),
+                replans=max(r["replans"] for r in rows),
+                held=sum(r["peak_mib"] <= r["budget_mib"] for r in rows),
+                close=sum(0.9 * r["budget_mib"] <= r["peak_mib"] <= r["budget_mib"]
+                          for r in rows))
 
 
 def markdown(summary, machine):
@@ -222,23 +269,43 @@ def markdown(summary, machine):
              "against plain (the 'plain again' row is the noise floor); build: trace, plan "
              "and rewrite, seconds; gradients: 'rewritten' (memsave's plan ran) or "
              "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
-             "ran plain gradients)." % machine, "",
-             "| model | config | peak MiB | vs plain | step time vs plain | build s | gradients |",
-             "|---|---|---|---:|---:|---:|---|"]
+             "ran plain gradients). Budget rows: a byte budget, the fraction times plain's "
+             "measured peak in the same process, kept by memsave.budgeted (the step is "
+             "measured and replanned at most once); 'budget MiB' is the median target, "
+             "'held' the processes whose peak was at most the target, 'within 10%%' those "
+             "also no more than 10%% below it." % machine, "",
+             "| model | config | peak MiB | vs plain | step time vs plain | build s | gradients "
+             "| budget MiB | replans | held | within 10% |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
     plain = {r["model"]: r["peak_median"] for r in summary if r["config"] == "plain"}
     for r in summary:
         if "error" in r:
-            lines.append("| %s | %s | raises: %s | | | | |" % (
+            lines.append("| %s | %s | raises: %s | | | | | | | | |" % (
                 model_name(r["model"]), r["config"], r["error"]))
             continue
         ran = ("plain" if r["config"].startswith("plain") else
                "plain (fallback)" if r.get("fell_back") else "rewritten")
         lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f | %s |" % (
-            model_name(r["model"]), r["batch"], ", %dpx" % r["size"] if r["size"] else "",
+            model_name(r["model"]), r["batch"], _size_label(r["model"], r["size"]),
             r["config"],
             r["peak_min"], r["peak_median"], r["peak_max"],
-            100.0 * r["peak_median"] / plain[r["model"]], r["time_ratio"], r["build_s"], ran))
+            100.0 * r["peak_median"] / plain[r["model"]], r["time_ratio"], r["build_s"], ran)
+            + _budget_cells(r))
     return "\n".join(lines) + "\n"
+
+
+def _size_label(model, size):
+    if not size:
+        return ""
+    return ", %d tokens" % size if model_name(model) in ("GPT2", "BERT") else ", %dpx" % size
+
+
+def _budget_cells(r):
+    if "budget_mib" not in r:
+        return " | | | |"
+    n = r["processes"]
+    return " %.1f | %d | %d/%d | %d/%d |" % (r["budget_mib"], r["replans"], r["held"], n,
+                                            r["close"], n)
 
 
 def plot(summary, path):
@@ -253,7 +320,7 @@ def plot(summary, path):
                         yerr=[[(r["peak_median"] - r["peak_min"]) / plain],
                               [(r["peak_max"] - r["peak_median"]) / plain]], fmt="o")
             ax.annotate(r["config"], (r["time_ratio"], r["peak_median"] / plain), fontsize=6)
-        ax.set_title(model.replace("@", " @ ") + ("px" if "@" in model else ""))
+        ax.set_title(model_name(model) + _size_label(model, dict(SIZES)[model][1]))
         ax.set_xlabel("step time / plain")
         ax.set_ylabel("peak / plain")
     fig.tight_layout()
@@ -275,6 +342,8 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=5, help="alternating timing pairs")
     parser.add_argument("--quick", action="store_true", help="small sizes, one process")
     parser.add_argument("--out", default=str(cli.RESULTS))
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other models' runs of the results file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -287,9 +356,11 @@ def main(argv=None):
         for i in range(processes):
             print("%s, process %d/%d" % (name, i + 1, processes), file=sys.stderr, flush=True)
             runs.append(_run_child(name, args.quick, args.pairs))
+    stem = "zoo_quick" if args.quick else "zoo"
+    if args.update:
+        runs = _kept_runs(pathlib.Path(args.out) / (stem + ".json"), runs)
     summary = _summary(runs)
     machine = machine_info()
-    stem = "zoo_quick" if args.quick else "zoo"
     text = markdown(summary, "CPU (%s, %d cores), TensorFlow %s" % (
         machine["processor"], machine["cpus"], machine["tf_version"]))
     out = cli.write(args.out, stem, {"machine": machine, "runs": runs, "summary": summary}, text)

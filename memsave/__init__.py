@@ -24,10 +24,10 @@ _LAZY = {
     "gradients_memory": "memsave.api", "gradients_speed": "memsave.api",
     "plan": "memsave.api", "register_strategy": "memsave.planning.registry",
     "patch": "memsave.patching", "unpatch": "memsave.patching",
-    "GradientTape": "memsave.tape",
+    "GradientTape": "memsave.tape", "budgeted": "memsave.budget",
 }
-_SUBMODULES = ("api", "graph", "keras", "log", "options", "patching", "planning", "profile",
-               "reversible", "rewrite", "tape", "tf_internal")
+_SUBMODULES = ("api", "budget", "graph", "keras", "log", "patching", "planning", "profile",
+               "reversible", "rewrite", "settings", "tape", "tf_internal")
 
 
 def __getattr__(name):
@@ -47,6 +47,6 @@ def __dir__():
 __all__ = [
     "BudgetError", "GradientMismatchError", "GradientTape", "NoBottleneckError", "OffloadModel",
     "Plan", "PlanGraphError", "StrategyError", "TapeNoBottleneckError", "V1ControlFlowError",
-    "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan",
+    "budgeted", "gradients", "gradients_collection", "gradients_memory", "gradients_speed", "patch", "plan",
     "register_strategy", "unpatch",
 ]

@@ -33,7 +33,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from memsave import patching, verify
+from memsave import budget, patching, verify
 from memsave.settings import DEFAULT_CHECKPOINTS, resolve
 
 logger = logging.getLogger("memsave")
@@ -121,6 +121,31 @@ def _sized(settings, data_batch, model):
     return settings.replace(batch_size=max(1, -(-data_batch // replicas)))
 
 
+def _make_train_function(model, make, settings):
+    """``make`` (Keras' ``make_train_function``) whose step keeps a byte budget on
+    the allocator: measured, and traced again once if off (:mod:`memsave.budget`)."""
+    if not budget.is_bytes(settings.budget) or model.run_eagerly:
+        return make(force=True)
+
+    def build():
+        outer = model.train_function
+        make(force=True)
+        inner, model.train_function = model.train_function, outer
+        return inner
+    model.train_function = budget.MeasuredStep(build, "memsave.keras(%s)" % model.name)
+    return model.train_function
+
+
+def _budget_keeping(model, make):
+    """Wrap the model's ``make_train_function`` (see :func:`_make_train_function`)."""
+    @functools.wraps(make)
+    def make_train_function(force=False):
+        if model.train_function is not None and not force:
+            return model.train_function
+        return _make_train_function(model, make, model.__dict__[_ATTR]["settings"])
+    return make_train_function
+
+
 def enable(model, checkpoints=DEFAULT_CHECKPOINTS, **options):
     """Make ``model.fit`` (and ``train_on_batch``) use checkpointed gradients.
 
@@ -151,6 +176,8 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, **options):
         for name, batch_of in (("fit", _fit_batch), ("train_on_batch", _train_on_batch_batch)):
             object.__setattr__(model, name,
                                _remembering_batch(model, getattr(model, name), batch_of))
+        object.__setattr__(model, "make_train_function",
+                           _budget_keeping(model, model.make_train_function))
     _reset_train_function(model)
     logger.info("memsave.keras: %s trains with checkpoints=%s", model.name,
                 settings.checkpoints.label)
@@ -162,7 +189,7 @@ def disable(model):
     state = model.__dict__.get(_ATTR)
     if state is None:
         return model
-    for name in ("train_step", "fit", "train_on_batch"):
+    for name in ("train_step", "fit", "train_on_batch", "make_train_function"):
         if name in model.__dict__:
             object.__delattr__(model, name)
     object.__delattr__(model, _ATTR)
@@ -197,11 +224,19 @@ class MemorySavingModel:
         with verify.mismatch_raised():
             return super().train_on_batch(*args, **kwargs)
 
-    def train_step(self, data):
-        _check_backend()
+    def _memsave_settings(self):
         checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
-        settings = resolve(checkpoints, dict(
+        return resolve(checkpoints, dict(
             {"min_checkpoint_size": self.memsave_min_checkpoint_size}, **self.memsave_options),
             "memsave.keras.MemorySavingModel")
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        return _make_train_function(self, super().make_train_function, self._memsave_settings())
+
+    def train_step(self, data):
+        _check_backend()
+        settings = self._memsave_settings()
         with patching.using(_sized(settings, getattr(self, "_memsave_data_batch", None), self)):
             return super().train_step(data)

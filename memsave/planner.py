@@ -11,7 +11,8 @@ import logging
 
 import tensorflow as tf
 
-from memsave import tf_internal
+from memsave import budget, tf_internal
+from memsave.errors import BudgetError
 from memsave.graph.region import to_plan_graph
 from memsave.graph.shapes import resolve as resolve_shapes
 from memsave.planning import registry
@@ -30,15 +31,36 @@ def plan_region(region, settings, compiled=False):
     resolved = resolve_shapes(region, settings.shapes, settings.batch_size)
     graph = to_plan_graph(region, batch_size=settings.batch_size, shapes=resolved.shapes,
                           compiled=compiled).validate()
-    chosen = _choose(graph, region, settings)
+    chosen = _choose_in_budget(graph, region, budget.planning_settings(settings))
     if offload_names:
         _check_offloadable(graph, offload_names)
         chosen = strategies.with_offload(graph, chosen, offload_names, settings.offload_model)
+    loop = budget.active()
+    if loop is not None:
+        loop.record(chosen)
     chosen.notes.extend(resolved.notes)
     # Tensors sized with a guess: still unknown, or sized from nominal sizes.
     chosen.unknown_dims = graph.unknown_dims + (len(resolved.shapes) if resolved.nominal else 0)
     if graph.unknown_dims:
         _say_unknown_dims(chosen, graph.unknown_dims, settings.batch_size, resolved.notes)
+    return chosen
+
+
+def _choose_in_budget(graph, region, settings):
+    """:func:`_choose`, told by a budget loop (see :mod:`memsave.budget`) what
+    a byte budget means for the estimate, and on the first trace the lowest
+    plan where nothing fits the loop's first aim but the budget itself."""
+    loop = budget.active()
+    try:
+        chosen = _choose(graph, region, settings)
+    except BudgetError as error:
+        smallest = getattr(error, "smallest", None)
+        lowest = budget.first_fallback(settings, smallest)
+        if loop is not None:
+            loop.unfit(smallest)
+        if lowest is None:
+            raise
+        chosen = _choose(graph, region, lowest)
     return chosen
 
 

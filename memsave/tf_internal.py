@@ -228,7 +228,17 @@ _need_attributes((
     ("tf.GradientTape()", lambda: _probe("tape"),
      ("_tape", "_recording", "_persistent", "_watched_variables")),
     ("tf.GradientTape", tf.GradientTape, ("_pop_tape",)),
+    ("tf.function()", lambda: tf.function(lambda: None),
+     ("python_function", "_jit_compile", "_reduce_retracing", "_autograph")),
 ))
+
+
+def function_options(function):
+    """The ``tf.function(...)`` options ``function`` was made with (no public
+    getter), so that memsave can trace its Python function again alike."""
+    return dict(jit_compile=function._jit_compile,  # pylint: disable=protected-access
+                reduce_retracing=function._reduce_retracing,  # pylint: disable=protected-access
+                autograph=function._autograph)  # pylint: disable=protected-access
 
 
 def op_id(op):

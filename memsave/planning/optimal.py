@@ -323,11 +323,13 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
         return min(options, key=lambda p: (p[0], p[1]))
     fitting = [p for p in options if p[0] <= limit]
     if not fitting:
-        raise BudgetError(
+        error = BudgetError(
             "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
             "(plain: %.1f MB)%s" % (
                 limit / 2**20, "" if cap is None else
                 " recomputing at most %.0f%% of a forward pass" % (100 * max_recompute),
                 "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
                 plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
+        error.smallest = min((p[0] for p in options), default=None)   # for memsave.budget
+        raise error
     return min(fitting, key=lambda p: (p[1], p[0]))

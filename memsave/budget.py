@@ -1,0 +1,290 @@
+"""A budget in bytes, kept on the allocator: measure the step, replan once.
+
+A plan's estimated peak is not what the allocator measures: BFC rounds and
+reuses chunks, gradient kernels allocate temporaries, and the step holds
+more than the differentiated region (the loss, the optimizer's update). On
+the zoo models the measured peak was 8-25% above the estimate, sometimes
+below it. So a budget in bytes (``budget="6GiB"``) is a target on the
+measured peak (:mod:`memsave.profile`'s meter: the allocator's peak above
+the pre-step baseline), kept by a loop around the training step:
+
+1. The first trace plans for :data:`FIRST_AIM` of the budget (or, where
+   nothing fits that, the lowest plan that fits the budget on the
+   estimate), so that the first steps fit even where the estimate is low.
+2. The second call of the step is measured (the first includes tracing and
+   one-time allocations). If the peak is above the budget, or more than
+   :data:`TOLERANCE` below it, memsave retraces once with a corrected
+   target: the estimate's error, taken as a ratio or as an offset,
+   whichever is safer, maps the budget to the estimate the next plan must
+   meet (aiming at :data:`AIM` of the budget). Where nothing fits, a
+   :class:`~memsave.BudgetError` says so before the next step runs, with
+   the smallest figure the allocator would see.
+3. The replanned step is measured once more and both figures are logged
+   (a WARNING if it is still over).
+
+Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
+automatically; a custom loop opts in with :func:`budgeted`. A fraction
+(``budget=0.5``) stays a fraction of the plain estimate, with no loop.
+Without allocator statistics (a CPU without ``TF_CPU_ALLOCATOR_USE_BFC``)
+the budget is kept on the estimate only, and a warning says so.
+"""
+
+import dataclasses
+import logging
+import threading
+
+import tensorflow as tf
+
+from memsave import profile, tf_internal
+from memsave.errors import BudgetError
+from memsave.log import warn_once
+
+logger = logging.getLogger("memsave")
+
+FIRST_AIM = 0.8    # the first plan's target, as a fraction of the budget
+AIM = 0.95         # a replan's target: run-to-run noise of one process's peak
+TOLERANCE = 0.10   # measured this far below the budget (or above it): replan
+
+_lock = threading.Lock()
+_active = []       # the loops whose step is being called, innermost last
+
+
+def is_bytes(budget):
+    """A budget in bytes (a promise on the allocator), not a fraction of plain's estimate."""
+    return budget is not None and budget >= 1
+
+
+@dataclasses.dataclass
+class _Trace:
+    """What one traced step planned: its byte budget, and the estimates of what runs."""
+
+    promise: float = None
+    estimates: list = dataclasses.field(default_factory=list)
+    smallest: float = None     # the smallest estimate, when no plan fitted the target
+
+    @property
+    def estimate(self):
+        return max(self.estimates) if self.estimates else None
+
+
+class Loop:
+    """One step's budget loop (see the module docstring): targets, measurements, one replan."""
+
+    def __init__(self, where):
+        self.where = where
+        self.trace = _Trace()
+        self.first = None          # (estimate, measured) of the first plan
+        self.correction = None     # budget -> target, after the first measurement
+        self.replanned = False
+        self.done = False
+
+    # -- planning side (called by memsave.planner while the step traces) --
+
+    def target(self, promise):
+        """The estimate a plan must meet for a budget of ``promise`` bytes."""
+        self.trace.promise = promise
+        if self.correction is None:
+            return FIRST_AIM * promise
+        return self.correction(promise)
+
+    def record(self, plan):
+        self.trace.estimates.append(runs_estimate(plan))
+
+    def unfit(self, smallest):
+        self.trace.smallest = smallest
+
+    # -- measuring side (called around the step) --
+
+    def observe(self, measured):
+        """Take one measured peak; True when the step should be traced again."""
+        promise, estimate = self.trace.promise, self.trace.estimate
+        if promise is None or estimate is None:
+            self.done = True    # nothing in the step planned for a byte budget
+            return False
+        mib = 2 ** 20
+        if self.replanned:
+            self.done = True
+            (logger.warning if measured > promise else logger.info)(
+                "memsave: %s: budget %.1f MiB; first plan estimated %.1f, measured %.1f MiB; "
+                "replanned to estimate %.1f, measured %.1f MiB%s", self.where, promise / mib,
+                self.first[0] / mib, self.first[1] / mib, estimate / mib, measured / mib,
+                " (still over the budget)" if measured > promise else "")
+            return False
+        self.first = (estimate, measured)
+        if (1 - TOLERANCE) * promise <= measured <= promise:
+            self.done = True
+            logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
+                        self.where, promise / mib, measured / mib, estimate / mib)
+            return False
+        self.correction = _correction(estimate, measured)
+        self.replanned = True
+        self.trace = _Trace()
+        logger.info("memsave: %s: budget %.1f MiB, first plan measured %.1f MiB (estimated "
+                    "%.1f); replanning once", self.where, promise / mib, measured / mib,
+                    estimate / mib)
+        return True
+
+    def budget_error(self, error):
+        """``error`` (no plan fitted the target) in the budget's terms."""
+        smallest, promise = self.trace.smallest, self.trace.promise
+        if smallest is None or promise is None:
+            return error
+        mib = 2 ** 20
+        if self.first is None:
+            return BudgetError(
+                "no plan fits a budget of %.1f MiB: the smallest plan is estimated at %.1f "
+                "MiB%s" % (promise / mib, smallest / mib, _hint(str(error))))
+        estimate, measured = self.first
+        return BudgetError(
+            "no plan fits a budget of %.1f MiB on the allocator: the smallest plan would "
+            "measure about %.1f MiB (estimated %.1f MiB; the first plan was estimated "
+            "%.1f and measured %.1f MiB)" % (
+                promise / mib, _measured_for(smallest, estimate, measured) / mib,
+                smallest / mib, estimate / mib, measured / mib))
+
+
+def _hint(message):
+    hint = "; offload='auto' may go lower on a GPU"
+    return hint if hint in message else ""
+
+
+def runs_estimate(plan):
+    """The estimated peak of what runs: plain backprop's where the plan keeps nothing
+    or is not below plain (memsave then runs plain gradients)."""
+    plain = plan.plain_peak_bytes
+    if not plan.kept or (plain and plan.estimated_peak_bytes >= plain):
+        return plain
+    return plan.estimated_peak_bytes
+
+
+def _correction(estimate, measured):
+    """budget -> the estimate to plan for: the safer of the error as a ratio and
+    as an offset (a ratio shrinks an offset such as the weights' gradients
+    with the plan; an offset overstates a ratio when the plan grows)."""
+    ratio = estimate / measured
+    offset = measured - estimate
+
+    def target(promise):
+        aim = AIM * promise
+        by_offset = aim - offset
+        return min(aim * ratio, by_offset) if by_offset > 0 else aim * ratio
+    return target
+
+
+def _measured_for(estimate_then, estimate, measured):
+    """The inverse of :func:`_correction`'s safer side: what a plan estimated at
+    ``estimate_then`` would measure (the larger of the two readings)."""
+    return max(estimate_then * measured / estimate, estimate_then + measured - estimate)
+
+
+# ---------------------------------------------------------------------------
+# The planner's side: the innermost loop of this process, if a step is being called.
+
+def active():
+    with _lock:
+        return _active[-1] if _active else None
+
+
+def planning_settings(settings):
+    """``settings`` with the budget an active loop asks for (a byte budget only)."""
+    loop = active()
+    if loop is None or not is_bytes(settings.budget):
+        return settings
+    return settings.replace(budget=max(1.0, loop.target(settings.budget)))
+
+
+def first_fallback(settings, error_smallest):
+    """On the first trace, when nothing fits :data:`FIRST_AIM` of the budget but
+    the lowest plan fits the budget itself: plan for the lowest peak."""
+    loop = active()
+    if (loop is None or loop.correction is not None or error_smallest is None
+            or loop.trace.promise is None or error_smallest > loop.trace.promise):
+        return None
+    return settings.replace(budget=None)
+
+
+class _Entered:
+    def __init__(self, loop):
+        self.loop = loop
+
+    def __enter__(self):
+        with _lock:
+            _active.append(self.loop)
+
+    def __exit__(self, *exc):
+        with _lock:
+            _active.remove(self.loop)
+
+
+# ---------------------------------------------------------------------------
+# The measuring side.
+
+class MeasuredStep:
+    """A step that keeps the byte budget its plans were given (see the module docstring).
+
+    ``build()`` returns a fresh traced step (a ``tf.function``); it is called
+    again for the one replan.
+    """
+
+    def __init__(self, build, where):
+        self._build = build
+        self.loop = Loop(where)
+        self._step = build()
+        self._calls = 0
+
+    def __call__(self, *args, **kwargs):
+        loop = self.loop
+        if loop.done:
+            return self._step(*args, **kwargs)
+        self._calls += 1
+        with _Entered(loop):
+            if self._calls != 2:
+                return self._traced(*args, **kwargs)
+            return self._measured(*args, **kwargs)
+
+    def _traced(self, *args, **kwargs):
+        try:
+            return self._step(*args, **kwargs)
+        except BudgetError as error:
+            raise self.loop.budget_error(error) from None
+
+    def _measured(self, *args, **kwargs):
+        device = profile.default_device()
+        try:
+            profile.memory_info(device)
+        except RuntimeError as error:
+            warn_once("budget:no-meter", "memsave: %s: the budget is kept on the estimate "
+                      "only: %s" % (self.loop.where, error))
+            self.loop.done = True
+            return self._traced(*args, **kwargs)
+        tf.config.experimental.reset_memory_stats(device)
+        base = profile.memory_info(device)["current"]
+        out = self._traced(*args, **kwargs)
+        if self.loop.observe(profile.memory_info(device)["peak"] - base):
+            self._step = self._build()
+            self._calls = 0
+        return out
+
+
+def budgeted(step):
+    """``step`` (a ``tf.function``, or a Python function to trace) keeping the
+    byte budgets of the memsave tapes and gradients inside it on the allocator.
+
+    The second call is measured; if its peak is over a byte budget (or more
+    than 10% below it), the step is traced again with a corrected target,
+    once. See the module docstring. Returns a callable to use in place of
+    ``step``.
+    """
+    if not callable(step):
+        raise TypeError("memsave.budgeted needs a callable step, got %r" % (step,))
+    if isinstance(step, MeasuredStep):
+        return step
+    if isinstance(step, tf.types.experimental.PolymorphicFunction):
+        python_function, options = step.python_function, tf_internal.function_options(step)
+    else:
+        python_function, options = step, {}
+
+    def build():
+        return tf.function(python_function, **options)
+    name = getattr(python_function, "__name__", "step")
+    return MeasuredStep(build, "memsave.budgeted(%s)" % name)
