@@ -84,8 +84,11 @@ def model_name(key):
     return key.split("@")[0]
 
 
-def configs(key):
-    return [c for c in CONFIGS if key not in ONLY or c[0] in ONLY[key]]
+def configs(key, only=None):
+    """The configurations run on zoo entry ``key`` (``only``: labels separated by ';')."""
+    wanted = ("plain;" + only).split(";") if only else None
+    return [c for c in CONFIGS if (key not in ONLY or c[0] in ONLY[key])
+            and (wanted is None or c[0] in wanted)]
 
 
 def _build(name, batch, size):
@@ -117,7 +120,7 @@ def _build(name, batch, size):
     return model, [ids, np.zeros_like(ids), np.ones_like(ids)], rng.randint(0, 3, batch), loss
 
 
-def child(name, quick, pairs):
+def child(name, quick, pairs, only=None):
     """One model's rows in this process (JSON on stdout)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -150,7 +153,7 @@ def child(name, quick, pairs):
     logging.getLogger("memsave").addHandler(said)
     logging.getLogger("memsave").setLevel(logging.INFO)
     rows, steps = [], {}
-    for label, checkpoints, options in configs(name):
+    for label, checkpoints, options in configs(name, only):
         budget = None
         if label in BUDGET_ROWS:
             budget = int(options["budget"] * rows[0]["peak_mib"] * MIB)   # plain's, bytes
@@ -206,10 +209,10 @@ class _Said(logging.Handler):
                    for l in self.lines)
 
 
-def _run_child(name, quick, pairs):
+def _run_child(name, quick, pairs, only=None):
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.zoo", "--child", name, "--pairs", str(pairs)]
-        + (["--quick"] if quick else []),
+        + (["--quick"] if quick else []) + (["--configs", only] if only else []),
         capture_output=True, text=True, check=False,
         cwd=pathlib.Path(__file__).resolve().parent.parent)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
@@ -342,12 +345,15 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=5, help="alternating timing pairs")
     parser.add_argument("--quick", action="store_true", help="small sizes, one process")
     parser.add_argument("--out", default=str(cli.RESULTS))
+    parser.add_argument("--configs", help="only these configurations (labels separated by ';';"
+                        " plain is always run)")
+    parser.add_argument("--stem", help="results file name (default zoo, or zoo_quick)")
     parser.add_argument("--update", action="store_true",
                         help="keep the other models' runs of the results file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps({"rows": child(args.child, args.quick, args.pairs)}))
+        print(json.dumps({"rows": child(args.child, args.quick, args.pairs, args.configs)}))
         return 0
     from benchmarks.models import machine_info  # pylint: disable=import-outside-toplevel
     processes = 1 if args.quick else args.processes
@@ -355,8 +361,8 @@ def main(argv=None):
     for name in args.models.split(","):
         for i in range(processes):
             print("%s, process %d/%d" % (name, i + 1, processes), file=sys.stderr, flush=True)
-            runs.append(_run_child(name, args.quick, args.pairs))
-    stem = "zoo_quick" if args.quick else "zoo"
+            runs.append(_run_child(name, args.quick, args.pairs, args.configs))
+    stem = args.stem or ("zoo_quick" if args.quick else "zoo")
     if args.update:
         runs = _kept_runs(pathlib.Path(args.out) / (stem + ".json"), runs)
     summary = _summary(runs)

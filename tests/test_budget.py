@@ -1,0 +1,143 @@
+"""A byte budget kept on the allocator (memsave.budget): measured, replanned once.
+
+The chain's activations are 2048 x 64 float32 (0.5 MiB) over 24 layers, so
+plans differ by whole MiB and the allocator's figures are repeatable
+(conftest sets TF_CPU_ALLOCATOR_USE_BFC=true).
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+import memsave.keras
+from memsave import budget
+from memsave.profile import peak_memory
+
+BATCH, WIDTH, DEPTH = 2048, 64, 24
+
+
+def _chain_step(budget_bytes=None):
+    """A tf.function: 24 tanh layers, the plain tape or memsave's with ``budget_bytes``."""
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32))
+          for _ in range(DEPTH)]
+    x = tf.constant(rng.randn(BATCH, WIDTH).astype(np.float32))
+
+    @tf.function
+    def step():
+        tape = (tf.GradientTape() if budget_bytes is None else
+                memsave.GradientTape(checkpoints="optimal", budget=budget_bytes))
+        with tape:
+            h = x
+            for w in ws:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, ws)
+    return step
+
+
+def _settled(step):
+    """Call a budgeted step until its loop has measured (and replanned) for good."""
+    for _ in range(6):
+        step()
+        if step.loop.done:
+            return step
+    raise AssertionError("the budget loop did not settle in 6 calls")
+
+
+def _assert_same(plain, ours):
+    plain, ours = [g.numpy() for g in plain], [g.numpy() for g in ours]
+    scale = max(np.abs(g).max() for g in plain)
+    assert max(np.abs(a - b).max() for a, b in zip(plain, ours)) <= 1e-5 * scale
+
+
+@pytest.fixture(scope="module")
+def plain_peak():
+    return peak_memory(_chain_step())
+
+
+def test_correction_takes_the_safer_reading_of_the_error():
+    # Measured above the estimate, the budget above both (loosening): the ratio
+    # grows the target less than the offset would.
+    assert budget._correction(100, 120)(200) == pytest.approx(0.95 * 200 * 100 / 120)
+    # Tightening: the offset (e.g. weight gradients outside the plan) is safer.
+    assert budget._correction(100, 130)(100) == pytest.approx(0.95 * 100 - 30)
+    # An offset larger than the budget: only the ratio is left.
+    assert budget._correction(10, 100)(50) == pytest.approx(0.95 * 50 * 10 / 100)
+    # Its inverse reads a smallest estimate as the larger of the two.
+    assert budget._measured_for(50, 100, 130) == pytest.approx(max(65, 80))
+
+
+def test_budgeted_step_holds_the_budget_with_plain_gradients(plain_peak, caplog):
+    target = int(0.6 * plain_peak)
+    step = memsave.budgeted(_chain_step(target))
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        _settled(step)
+    measured = peak_memory(step)
+    assert measured <= target, (measured, target, plain_peak)
+    assert any("budget %.1f MiB" % (target / 2**20) in r.getMessage() for r in caplog.records)
+    _assert_same(_chain_step()(), step())
+
+
+def test_an_estimate_that_is_low_is_corrected_by_one_replan(plain_peak, monkeypatch, caplog):
+    # The first plan aims past the budget, as a low estimate would: the
+    # measured peak is over, and the one replan brings it under.
+    monkeypatch.setattr(budget, "FIRST_AIM", 1.6)
+    target = int(0.5 * plain_peak)
+    step = memsave.budgeted(_chain_step(target))
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        step()
+        step()
+        assert step.loop.replanned and step.loop.first[1] > target
+        _settled(step)
+    assert peak_memory(step) <= target
+    assert any("replanned to estimate" in r.getMessage() for r in caplog.records)
+
+
+def test_no_plan_fits_is_a_budget_error_before_the_step():
+    step = memsave.budgeted(_chain_step(2 ** 20))
+    with pytest.raises(memsave.BudgetError, match=r"budget of 1\.0 MiB: the smallest plan"):
+        step()
+
+
+def test_budgeted_refuses_what_is_not_a_step():
+    with pytest.raises(TypeError, match="callable"):
+        memsave.budgeted("step")
+
+
+def _dense_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,))] + [
+        keras.layers.Dense(64, activation="tanh") for _ in range(12)] + [keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), jit_compile=False)
+    return model
+
+
+def _fit(model):
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(1024, 64).astype("float32"), rng.randint(0, 4, 1024)
+    return model.fit(x, y, batch_size=1024, epochs=5, verbose=0).history["loss"][-1]
+
+
+def test_keras_keeps_a_byte_budget_automatically(caplog):
+    plain = _fit(_dense_model())
+    model = memsave.keras.enable(_dense_model(), budget="3MiB")
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        loss = _fit(model)
+    assert isinstance(model.train_function, budget.MeasuredStep) and model.train_function.loop.done
+    said = [r.getMessage() for r in caplog.records if "memsave.keras(" in r.getMessage()]
+    assert said and "budget 3.0 MiB" in said[-1]
+    assert loss == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_fraction_is_no_promise_on_the_allocator():
+    model = memsave.keras.enable(_dense_model(), budget=0.5)
+    _fit(model)
+    assert not isinstance(model.train_function, budget.MeasuredStep)
+    memsave.keras.disable(model)
+    assert "make_train_function" not in model.__dict__
