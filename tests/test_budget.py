@@ -141,3 +141,19 @@ def test_a_fraction_is_no_promise_on_the_allocator():
     assert not isinstance(model.train_function, budget.MeasuredStep)
     memsave.keras.disable(model)
     assert "make_train_function" not in model.__dict__
+
+
+@pytest.mark.heavy   # six processes, about two minutes
+def test_two_models_train_under_a_hard_limit_where_plain_runs_out_of_memory(tmp_path):
+    """benchmarks.budget_limit --quick: under TF_CPU_BFC_MEM_LIMIT_IN_MB plain's
+    steps run out of memory; memsave's budgeted steps train within the budget,
+    their first gradients plain's."""
+    from benchmarks import budget_limit   # pylint: disable=import-outside-toplevel
+    rows = [budget_limit.measure(name, True, 0.7) for name in budget_limit.MODELS]
+    assert len(rows) >= 2
+    for row in rows:
+        assert row["plain"]["outcome"].startswith("out of memory"), row
+        ours = row["memsave"]
+        assert ours["outcome"] == "trained", row
+        assert ours["peak"] <= row["budget"] and ours["replans"] <= 1, row
+        assert ours["gradient_error"] <= 1e-5, row
