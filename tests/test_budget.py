@@ -136,7 +136,8 @@ def test_keras_keeps_a_byte_budget_automatically(caplog):
 
 
 def test_a_fraction_is_no_promise_on_the_allocator():
-    model = memsave.keras.enable(_dense_model(), budget=0.5)
+    # 0.7 of plain's estimate: a plan fits it (the lowest is at 0.54).
+    model = memsave.keras.enable(_dense_model(), budget=0.7)
     _fit(model)
     assert not isinstance(model.train_function, budget.MeasuredStep)
     memsave.keras.disable(model)
