@@ -2,8 +2,7 @@
 
 ``python -m benchmarks.budget_limit`` (``--quick`` for small sizes,
 ``--fraction 0.7`` the cap above the baseline as a fraction of plain's
-step peak). For each
-model, three fresh processes:
+step peak). For each model, three fresh processes:
 
 1. uncapped: the allocator's baseline before the first step (weights, data)
    and plain's step peak above it (``memsave.profile``), and plain's
@@ -13,8 +12,7 @@ model, three fresh processes:
    training steps (``tf.GradientTape``, SGD update);
 3. the same cap, ``memsave.GradientTape(budget=...)``, the budget
    :data:`HEADROOM` of what the cap leaves above the baseline, in a step
-   wrapped by
-   :func:`memsave.budgeted`: its first gradients are compared with plain's
+   wrapped by :func:`memsave.budgeted`: its first gradients are compared with plain's
    (relative to the largest entry of all gradients), and the measured peak
    and replans are reported.
 

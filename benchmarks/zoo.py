@@ -1,7 +1,9 @@
 """Model zoo: plain vs each strategy, a budget and a recompute cap, on real models.
 
 Run ``python -m benchmarks.zoo`` (``--models ResNet50,GPT2`` for a subset,
-``--processes 3`` by default, ``--quick`` for small sizes and one process).
+``--configs "budget 0.5 × plain;speed"`` for some configurations besides
+plain, ``--stem`` to name the results file, ``--processes 3`` by default,
+``--quick`` for small sizes and one process).
 Each model runs in ``--processes`` child processes (plain TF's own peak
 varies 10-30% between processes, so peaks are min / median / max over
 them). In a child, one training step (forward, loss, gradients of every
@@ -221,15 +223,6 @@ def _run_child(name, quick, pairs, only=None):
     return json.loads(lines[-1])["rows"]
 
 
-def _kept_runs(path, runs):
-    """The runs of ``path`` whose models were not run now, then ``runs``, in MODELS' order."""
-    fresh = {rows[0]["model"] for rows in runs if rows}
-    old = json.loads(path.read_text())["runs"] if path.exists() else []
-    merged = [rows for rows in old if rows and rows[0]["model"] not in fresh] + runs
-    order = {m: i for i, m in enumerate(MODELS)}
-    return sorted(merged, key=lambda rows: order.get(rows[0]["model"], len(order)))
-
-
 def _summary(runs):
     """Per (model, config): min/median/max of peaks, median time ratio, build."""
     table = {}
@@ -323,7 +316,7 @@ def plot(summary, path):
                         yerr=[[(r["peak_median"] - r["peak_min"]) / plain],
                               [(r["peak_max"] - r["peak_median"]) / plain]], fmt="o")
             ax.annotate(r["config"], (r["time_ratio"], r["peak_median"] / plain), fontsize=6)
-        ax.set_title(model_name(model) + _size_label(model, dict(SIZES)[model][1]))
+        ax.set_title(model_name(model) + _size_label(model, rows[0]["size"]))
         ax.set_xlabel("step time / plain")
         ax.set_ylabel("peak / plain")
     fig.tight_layout()
@@ -348,8 +341,6 @@ def main(argv=None):
     parser.add_argument("--configs", help="only these configurations (labels separated by ';';"
                         " plain is always run)")
     parser.add_argument("--stem", help="results file name (default zoo, or zoo_quick)")
-    parser.add_argument("--update", action="store_true",
-                        help="keep the other models' runs of the results file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -363,8 +354,6 @@ def main(argv=None):
             print("%s, process %d/%d" % (name, i + 1, processes), file=sys.stderr, flush=True)
             runs.append(_run_child(name, args.quick, args.pairs, args.configs))
     stem = args.stem or ("zoo_quick" if args.quick else "zoo")
-    if args.update:
-        runs = _kept_runs(pathlib.Path(args.out) / (stem + ".json"), runs)
     summary = _summary(runs)
     machine = machine_info()
     text = markdown(summary, "CPU (%s, %d cores), TensorFlow %s" % (

@@ -61,6 +61,7 @@ class _Trace:
     promise: float = None
     estimates: list = dataclasses.field(default_factory=list)
     smallest: float = None     # the smallest estimate, when no plan fitted the target
+    offload_hint: bool = False   # the planner's error suggested offload='auto'
 
     @property
     def estimate(self):
@@ -80,18 +81,28 @@ class Loop:
 
     # -- planning side (called by memsave.planner while the step traces) --
 
-    def target(self, promise):
-        """The estimate a plan must meet for a budget of ``promise`` bytes."""
-        self.trace.promise = promise
-        if self.correction is None:
-            return FIRST_AIM * promise
-        return self.correction(promise)
+    def planning(self, settings):
+        """``settings`` with the estimate a plan must meet for a byte budget."""
+        if not is_bytes(settings.budget):
+            return settings
+        promise = self.trace.promise = settings.budget
+        target = FIRST_AIM * promise if self.correction is None else self.correction(promise)
+        return settings.replace(budget=max(1.0, target))
+
+    def unfit(self, error):
+        """The planner's ``BudgetError``: no plan fitted the target."""
+        self.trace.smallest = getattr(error, "smallest", None)
+        self.trace.offload_hint = getattr(error, "offload_hint", False)
+
+    def takes_lowest(self):
+        """On the first trace, when nothing fits :data:`FIRST_AIM` of the budget
+        but the lowest plan fits the budget itself: plan for the lowest peak."""
+        smallest, promise = self.trace.smallest, self.trace.promise
+        return (self.correction is None and None not in (smallest, promise)
+                and smallest <= promise)
 
     def record(self, plan):
         self.trace.estimates.append(runs_estimate(plan))
-
-    def unfit(self, smallest):
-        self.trace.smallest = smallest
 
     # -- measuring side (called around the step) --
 
@@ -133,7 +144,8 @@ class Loop:
         if self.first is None:
             return BudgetError(
                 "no plan fits a budget of %.1f MiB: the smallest plan is estimated at %.1f "
-                "MiB%s" % (promise / mib, smallest / mib, _hint(str(error))))
+                "MiB%s" % (promise / mib, smallest / mib, "; offload='auto' may go lower on "
+                           "a GPU" if self.trace.offload_hint else ""))
         estimate, measured = self.first
         return BudgetError(
             "no plan fits a budget of %.1f MiB on the allocator: the smallest plan would "
@@ -141,11 +153,6 @@ class Loop:
             "%.1f and measured %.1f MiB)" % (
                 promise / mib, _measured_for(smallest, estimate, measured) / mib,
                 smallest / mib, estimate / mib, measured / mib))
-
-
-def _hint(message):
-    hint = "; offload='auto' may go lower on a GPU"
-    return hint if hint in message else ""
 
 
 def runs_estimate(plan):
@@ -183,24 +190,6 @@ def _measured_for(estimate_then, estimate, measured):
 def active():
     with _lock:
         return _active[-1] if _active else None
-
-
-def planning_settings(settings):
-    """``settings`` with the budget an active loop asks for (a byte budget only)."""
-    loop = active()
-    if loop is None or not is_bytes(settings.budget):
-        return settings
-    return settings.replace(budget=max(1.0, loop.target(settings.budget)))
-
-
-def first_fallback(settings, error_smallest):
-    """On the first trace, when nothing fits :data:`FIRST_AIM` of the budget but
-    the lowest plan fits the budget itself: plan for the lowest peak."""
-    loop = active()
-    if (loop is None or loop.correction is not None or error_smallest is None
-            or loop.trace.promise is None or error_smallest > loop.trace.promise):
-        return None
-    return settings.replace(budget=None)
 
 
 class _Entered:
@@ -249,18 +238,15 @@ class MeasuredStep:
             raise self.loop.budget_error(error) from None
 
     def _measured(self, *args, **kwargs):
-        device = profile.default_device()
         try:
-            profile.memory_info(device)
+            profile.memory_info()
         except RuntimeError as error:
             warn_once("budget:no-meter", "memsave: %s: the budget is kept on the estimate "
                       "only: %s" % (self.loop.where, error))
             self.loop.done = True
             return self._traced(*args, **kwargs)
-        tf.config.experimental.reset_memory_stats(device)
-        base = profile.memory_info(device)["current"]
-        out = self._traced(*args, **kwargs)
-        if self.loop.observe(profile.memory_info(device)["peak"] - base):
+        out, peak = profile.measured_call(self._traced, *args, **kwargs)
+        if self.loop.observe(peak):
             self._step = self._build()
             self._calls = 0
         return out

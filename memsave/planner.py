@@ -31,11 +31,11 @@ def plan_region(region, settings, compiled=False):
     resolved = resolve_shapes(region, settings.shapes, settings.batch_size)
     graph = to_plan_graph(region, batch_size=settings.batch_size, shapes=resolved.shapes,
                           compiled=compiled).validate()
-    chosen = _choose_in_budget(graph, region, budget.planning_settings(settings))
+    loop = budget.active()
+    chosen = _choose_in_budget(graph, region, settings, loop)
     if offload_names:
         _check_offloadable(graph, offload_names)
         chosen = strategies.with_offload(graph, chosen, offload_names, settings.offload_model)
-    loop = budget.active()
     if loop is not None:
         loop.record(chosen)
     chosen.notes.extend(resolved.notes)
@@ -46,22 +46,19 @@ def plan_region(region, settings, compiled=False):
     return chosen
 
 
-def _choose_in_budget(graph, region, settings):
-    """:func:`_choose`, told by a budget loop (see :mod:`memsave.budget`) what
+def _choose_in_budget(graph, region, settings, loop):
+    """:func:`_choose`, told by a budget ``loop`` (see :mod:`memsave.budget`) what
     a byte budget means for the estimate, and on the first trace the lowest
     plan where nothing fits the loop's first aim but the budget itself."""
-    loop = budget.active()
+    if loop is None:
+        return _choose(graph, region, settings)
     try:
-        chosen = _choose(graph, region, settings)
+        return _choose(graph, region, loop.planning(settings))
     except BudgetError as error:
-        smallest = getattr(error, "smallest", None)
-        lowest = budget.first_fallback(settings, smallest)
-        if loop is not None:
-            loop.unfit(smallest)
-        if lowest is None:
+        loop.unfit(error)
+        if not loop.takes_lowest():
             raise
-        chosen = _choose(graph, region, lowest)
-    return chosen
+        return _choose(graph, region, settings.replace(budget=None))
 
 
 def _choose(graph, region, settings):

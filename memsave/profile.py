@@ -49,16 +49,22 @@ def peak_memory(step, *args, device=None, warmup=1, **kwargs):
     """
     if not callable(step):
         raise TypeError("peak_memory needs a callable step, got %r" % (step,))
-    device = device or default_device()
     for _ in range(warmup):
         step(*args, **kwargs)
+    return measured_call(step, *args, device=device, **kwargs)[1]
+
+
+def measured_call(step, *args, device=None, **kwargs):
+    """``(step(*args, **kwargs), peak bytes above the pre-call baseline)``: one
+    call, measured (RuntimeError without allocator statistics)."""
+    device = device or default_device()
     memory_info(device)
     tf.config.experimental.reset_memory_stats(device)
     base = memory_info(device)["current"]
-    step(*args, **kwargs)
+    result = step(*args, **kwargs)
     peak = memory_info(device)["peak"] - base
     logger.debug("memsave.profile: peak %d bytes above a baseline of %d on %s", peak, base, device)
-    return peak
+    return result, peak
 
 
 def session_step(session, fetches, feed_dict=None):

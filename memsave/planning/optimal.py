@@ -330,6 +330,8 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
                 " recomputing at most %.0f%% of a forward pass" % (100 * max_recompute),
                 "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
                 plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
-        error.smallest = min((p[0] for p in options), default=None)   # for memsave.budget
+        # For memsave.budget, which restates the error in the budget's terms.
+        error.smallest = min((p[0] for p in options), default=None)
+        error.offload_hint = not offload
         raise error
     return min(fitting, key=lambda p: (p[1], p[0]))
