@@ -12,15 +12,19 @@ the pre-step baseline), kept by a loop around the training step:
    nothing fits that, the lowest plan that fits the budget on the
    estimate), so that the first steps fit even where the estimate is low.
 2. The second call of the step is measured (the first includes tracing and
-   one-time allocations). If the peak is above the budget, or more than
-   :data:`TOLERANCE` below it, memsave retraces once with a corrected
+   one-time allocations). If the peak is above :data:`AIM` of the budget
+   (the calls of one step vary by a few percent), or more than
+   :data:`TOLERANCE` below the budget, memsave retraces once with a corrected
    target: the estimate's error, taken as a ratio or as an offset,
    whichever is safer, maps the budget to the estimate the next plan must
-   meet (aiming at :data:`AIM` of the budget). Where nothing fits, a
+   meet (aiming at :data:`AIM` of the budget). Where nothing fits that, the
+   lowest plan is taken if it would still measure within the budget; else a
    :class:`~memsave.BudgetError` says so before the next step runs, with
    the smallest figure the allocator would see.
-3. The replanned step is measured once more and both figures are logged
-   (a WARNING if it is still over).
+3. The replanned step is measured once more and both figures are logged.
+   If the replan measures above :data:`AIM` of the budget and more than a
+   first plan that was within the budget, the step goes back to the first
+   plan; if what it keeps is over the budget, a WARNING says so.
 
 Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
 automatically; a custom loop opts in with :func:`budgeted`. A fraction
@@ -42,8 +46,12 @@ from memsave.log import warn_once
 logger = logging.getLogger("memsave")
 
 FIRST_AIM = 0.8    # the first plan's target, as a fraction of the budget
-AIM = 0.95         # a replan's target: run-to-run noise of one process's peak
+# A replan's target, and the most of the budget a measured peak may take: a
+# step's peak varies by a few percent between calls of one process.
+AIM = 0.95
 TOLERANCE = 0.10   # measured this far below the budget (or above it): replan
+
+REPLAN, FIRST = "replan", "first"   # what Loop.observe asks of the step
 
 _lock = threading.Lock()
 _active = []       # the loops whose step is being called, innermost last
@@ -95,11 +103,21 @@ class Loop:
         self.trace.offload_hint = getattr(error, "offload_hint", False)
 
     def takes_lowest(self):
-        """On the first trace, when nothing fits :data:`FIRST_AIM` of the budget
-        but the lowest plan fits the budget itself: plan for the lowest peak."""
+        """Whether to plan for the lowest peak when nothing fits the target: the
+        target keeps a margin (:data:`FIRST_AIM`, :data:`AIM`), and the lowest
+        plan may still fit the budget itself (on the estimate before a
+        measurement, on what it would measure after one)."""
         smallest, promise = self.trace.smallest, self.trace.promise
-        return (self.correction is None and None not in (smallest, promise)
-                and smallest <= promise)
+        return None not in (smallest, promise) and self.would_measure(smallest) <= promise
+
+    def would_measure(self, estimate):
+        """What a plan estimated at ``estimate`` would measure: after the first
+        measurement, the larger of its ratio and offset readings."""
+        if self.first is None:
+            return estimate
+        first_estimate, first_measured = self.first
+        return max(estimate * first_measured / first_estimate,
+                   estimate + first_measured - first_estimate)
 
     def record(self, plan):
         self.trace.estimates.append(runs_estimate(plan))
@@ -107,33 +125,41 @@ class Loop:
     # -- measuring side (called around the step) --
 
     def observe(self, measured):
-        """Take one measured peak; True when the step should be traced again."""
+        """Take one measured peak: :data:`REPLAN` when the step should be traced
+        again, :data:`FIRST` when it should go back to the first plan, else None."""
         promise, estimate = self.trace.promise, self.trace.estimate
         if promise is None or estimate is None:
             self.done = True    # nothing in the step planned for a byte budget
-            return False
+            return None
         mib = 2 ** 20
+        fits = AIM * promise    # within the budget, with the run-to-run noise
         if self.replanned:
             self.done = True
-            (logger.warning if measured > promise else logger.info)(
+            # A replan past the margin that measured more than a first plan
+            # within the budget: the first plan is kept.
+            first = self.first[1]
+            back = measured > fits and first < measured and first <= promise
+            over = (first if back else measured) > promise
+            (logger.warning if over else logger.info)(
                 "memsave: %s: budget %.1f MiB; first plan estimated %.1f, measured %.1f MiB; "
                 "replanned to estimate %.1f, measured %.1f MiB%s", self.where, promise / mib,
-                self.first[0] / mib, self.first[1] / mib, estimate / mib, measured / mib,
-                " (still over the budget)" if measured > promise else "")
-            return False
+                self.first[0] / mib, first / mib, estimate / mib, measured / mib,
+                ("; back to the first plan" if back else "")
+                + (" (over the budget)" if over else ""))
+            return FIRST if back else None
         self.first = (estimate, measured)
-        if (1 - TOLERANCE) * promise <= measured <= promise:
+        if (1 - TOLERANCE) * promise <= measured <= fits:
             self.done = True
             logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
                         self.where, promise / mib, measured / mib, estimate / mib)
-            return False
+            return None
         self.correction = _correction(estimate, measured)
         self.replanned = True
         self.trace = _Trace()
         logger.info("memsave: %s: budget %.1f MiB, first plan measured %.1f MiB (estimated "
                     "%.1f); replanning once", self.where, promise / mib, measured / mib,
                     estimate / mib)
-        return True
+        return REPLAN
 
     def budget_error(self, error):
         """``error`` (no plan fitted the target) in the budget's terms."""
@@ -151,7 +177,7 @@ class Loop:
             "no plan fits a budget of %.1f MiB on the allocator: the smallest plan would "
             "measure about %.1f MiB (estimated %.1f MiB; the first plan was estimated "
             "%.1f and measured %.1f MiB)" % (
-                promise / mib, _measured_for(smallest, estimate, measured) / mib,
+                promise / mib, self.would_measure(smallest) / mib,
                 smallest / mib, estimate / mib, measured / mib))
 
 
@@ -176,12 +202,6 @@ def _correction(estimate, measured):
         by_offset = aim - offset
         return min(aim * ratio, by_offset) if by_offset > 0 else aim * ratio
     return target
-
-
-def _measured_for(estimate_then, estimate, measured):
-    """The inverse of :func:`_correction`'s safer side: what a plan estimated at
-    ``estimate_then`` would measure (the larger of the two readings)."""
-    return max(estimate_then * measured / estimate, estimate_then + measured - estimate)
 
 
 # ---------------------------------------------------------------------------
@@ -219,6 +239,7 @@ class MeasuredStep:
         self._build = build
         self.loop = Loop(where)
         self._step = build()
+        self._first = None    # the first plan's step, while a replan is on trial
         self._calls = 0
 
     def __call__(self, *args, **kwargs):
@@ -246,9 +267,14 @@ class MeasuredStep:
             self.loop.done = True
             return self._traced(*args, **kwargs)
         out, peak = profile.measured_call(self._traced, *args, **kwargs)
-        if self.loop.observe(peak):
-            self._step = self._build()
+        action = self.loop.observe(peak)
+        if action == REPLAN:
+            self._first, self._step = self._step, self._build()
             self._calls = 0
+        elif action == FIRST:
+            self._step = self._first
+        if self.loop.done:
+            self._first = None
         return out
 
 

@@ -48,8 +48,8 @@ def plan_region(region, settings, compiled=False):
 
 def _choose_in_budget(graph, region, settings, loop):
     """:func:`_choose`, told by a budget ``loop`` (see :mod:`memsave.budget`) what
-    a byte budget means for the estimate, and on the first trace the lowest
-    plan where nothing fits the loop's first aim but the budget itself."""
+    a byte budget means for the estimate; where nothing fits the loop's target
+    but the lowest plan would fit the budget itself, the lowest plan."""
     if loop is None:
         return _choose(graph, region, settings)
     try:

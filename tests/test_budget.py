@@ -68,8 +68,21 @@ def test_correction_takes_the_safer_reading_of_the_error():
     assert budget._correction(100, 130)(100) == pytest.approx(0.95 * 100 - 30)
     # An offset larger than the budget: only the ratio is left.
     assert budget._correction(10, 100)(50) == pytest.approx(0.95 * 50 * 10 / 100)
-    # Its inverse reads a smallest estimate as the larger of the two.
-    assert budget._measured_for(50, 100, 130) == pytest.approx(max(65, 80))
+    # Its inverse reads an estimate as the larger of the two.
+    loop = budget.Loop("test")
+    assert loop.would_measure(50) == 50   # nothing measured yet
+    loop.first = (100, 130)
+    assert loop.would_measure(50) == pytest.approx(max(65, 80))
+
+
+def test_the_lowest_plan_is_taken_where_it_would_still_fit_the_budget():
+    loop = budget.Loop("test")
+    loop.trace.smallest, loop.trace.promise = 95, 100
+    assert loop.takes_lowest()            # before a measurement: on the estimate
+    loop.first = (100, 110)               # measured 10% (and 10 bytes) above its estimate
+    assert not loop.takes_lowest()        # 95 would measure 105
+    loop.trace.promise = 105
+    assert loop.takes_lowest()
 
 
 def test_budgeted_step_holds_the_budget_with_plain_gradients(plain_peak, caplog):
@@ -96,6 +109,22 @@ def test_an_estimate_that_is_low_is_corrected_by_one_replan(plain_peak, monkeypa
         _settled(step)
     assert peak_memory(step) <= target
     assert any("replanned to estimate" in r.getMessage() for r in caplog.records)
+
+
+def test_a_looser_replan_that_overshoots_goes_back_to_the_first_plan(plain_peak, monkeypatch,
+                                                                      caplog):
+    # The first plan aims well below the budget, the replan past it, as an
+    # estimate that is low for larger plans would: the step keeps the first.
+    monkeypatch.setattr(budget, "FIRST_AIM", 0.5)
+    monkeypatch.setattr(budget, "_correction", lambda estimate, measured: lambda p: 3 * p)
+    target = int(0.6 * plain_peak)
+    step = memsave.budgeted(_chain_step(target))
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        _settled(step)
+    assert step.loop.replanned and step.loop.first[1] <= target
+    assert any("back to the first plan" in r.getMessage() for r in caplog.records)
+    assert peak_memory(step) <= target
+    _assert_same(_chain_step()(), step())
 
 
 def test_no_plan_fits_is_a_budget_error_before_the_step():
