@@ -37,7 +37,7 @@ logger = logging.getLogger("memsave")
 def plain_gradients(ys, xs, grad_ys=None, **kwargs):
     """TensorFlow's own gradients, called below every patch point."""
     graph = ys[0].graph
-    with tf_internal.mutation_lock(graph):
+    with tf_internal.mutation_lock(graph), tf_internal.fast_reachability():
         return tf_internal.gradients_helper(ys, xs, grad_ys, **kwargs)
 
 
