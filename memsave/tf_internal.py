@@ -374,24 +374,30 @@ def release_tape(tape):
 # tf.gradients' forward reachability, same answer at a fraction of the cost.
 #
 # Each tf.gradients call first marks every op reachable from its xs
-# (``_MarkReachedOps``). Per tensor it passes, TF rebuilds the list of
-# trainable dtypes and scans every capture of the enclosing FuncGraphs
-# (hundreds: one per weight) for one that captured the tensor. A rewrite
-# makes one call per segment, each walking from the weights through
-# everything built so far: 70-85% of the build time of a 150-370 segment
-# plan (DenseNet121, MobileNetV2). The replacement asks the same questions
-# once per call and per dtype; it marks exactly the same ops.
+# (``_MarkReachedOps``), then keeps those that are also ancestors of its
+# ys. Per tensor it passes, TF rebuilds the list of trainable dtypes and
+# scans every capture of the enclosing FuncGraphs (hundreds: one per
+# weight) for one that captured the tensor. A rewrite makes one call per
+# segment, each walking from the weights through everything built so far:
+# 70-85% of the build time of a 150-370 segment plan (DenseNet121,
+# MobileNetV2). The replacement asks the same questions once per call and
+# per dtype, and can leave out ops that are no ancestor of the ys (see
+# fast_reachability); what TF keeps of the walk is the same.
 
 
 def _mark_reached_ops(from_ops, reached_ops, func_graphs):
-    """``_MarkReachedOps`` with captures looked up once per call and
-    trainability once per dtype (a variant still asks per tensor)."""
+    """``_MarkReachedOps`` with captures looked up once per call, trainability
+    once per dtype (a variant still asks per tensor), and the ops of
+    :func:`fast_reachability`'s ``skip`` not entered."""
     captured = {id(outer) for func in func_graphs for outer, _ in func.captures}
+    graph, lo, hi = _local_skip.__dict__.pop("skip", None) or (None, 0, 0)
     per_dtype = {}
     queue = collections.deque(from_ops)
+    starts = set(from_ops)
     while queue:
         op = queue.popleft()
-        if op in reached_ops:
+        if op in reached_ops or (lo <= op._id < hi and op.graph is graph  # pylint: disable=protected-access
+                                 and op not in starts):
             continue
         reached_ops.add(op)
         for output in op.outputs:
@@ -412,19 +418,28 @@ def _mark_reached_ops(from_ops, reached_ops, func_graphs):
 
 _reach_lock = threading.Lock()
 _reach_users = [0]
+_local_skip = threading.local()
 
 
 @contextlib.contextmanager
-def fast_reachability():
+def fast_reachability(skip=None):
     """Within the block, tf.gradients walks with :func:`_mark_reached_ops`
-    (on every thread: the answer is TF's own, so other callers only gain)."""
+    (on every thread: the answer is TF's own, so other callers only gain).
+
+    ``skip``: ``(graph, lo, hi)``, ops of ``graph`` with ids in ``[lo, hi)``
+    that the next walk on this thread does not enter. The caller vouches
+    that none of them is an ancestor of that call's ys: TF keeps only the
+    reached ops that are, so its gradients are the same.
+    """
     with _reach_lock:
         if not _reach_users[0]:
             gradients_util_module._MarkReachedOps = _mark_reached_ops  # pylint: disable=protected-access
         _reach_users[0] += 1
+    _local_skip.skip = skip
     try:
         yield
     finally:
+        _local_skip.__dict__.pop("skip", None)
         with _reach_lock:
             _reach_users[0] -= 1
             if not _reach_users[0]:
