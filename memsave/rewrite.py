@@ -19,6 +19,7 @@ spans two segments. What is built is recorded for the audit
 (:mod:`memsave.graph.audit`).
 """
 
+import bisect
 import dataclasses
 import logging
 
@@ -26,7 +27,7 @@ import tensorflow as tf
 import toposort
 
 from memsave import tf_internal
-from memsave.graph import backward_ops, copy_ops, optable
+from memsave.graph import backward_ops, copy_ops, functions, optable
 from memsave.graph.edit import barrier, fence
 from memsave.graph.region import in_place_closure
 from memsave.graph.schedule import reducers_first
@@ -34,10 +35,11 @@ from memsave.graph.schedule import reducers_first
 logger = logging.getLogger("memsave")
 
 
-def plain_gradients(ys, xs, grad_ys=None, **kwargs):
-    """TensorFlow's own gradients, called below every patch point."""
+def plain_gradients(ys, xs, grad_ys=None, skip=None, **kwargs):
+    """TensorFlow's own gradients, called below every patch point (``skip``:
+    ops no ancestor of ``ys`` is among, see :func:`tf_internal.fast_reachability`)."""
     graph = ys[0].graph
-    with tf_internal.mutation_lock(graph):
+    with tf_internal.mutation_lock(graph), tf_internal.fast_reachability(skip):
         return tf_internal.gradients_helper(ys, xs, grad_ys, **kwargs)
 
 
@@ -239,6 +241,7 @@ class _Rewrite:
         # xs computed inside the region are checkpoints (region.forced): their
         # gradients accumulate like a checkpoint's. Each leaf x is asked once.
         self.leaf_xs = list({x.ref(): x for x in region.leaf_xs}.values())
+        self.leaf_refs = [(x, x.ref()) for x in self.leaf_xs]
         # A kept read of a leaf x (a variable read that must not be redone) is
         # differentiated in place on the way to its x: a segment that reads it
         # asks for the x. As a checkpoint it would hold a running gradient sum
@@ -253,6 +256,8 @@ class _Rewrite:
         self.shields = _shields(region, self.checkpoints)
         ledger.inserted(self.shields.values())
         self.within = region.copyable
+        self.prunable = not any(functions.has_bodies(op) or tf_internal.is_function_call(op)
+                                for op in region.ops)
         self.d_cp, self.d_xs = _Accumulator(), _Accumulator()
         self.segment = 0
         self.wait = []
@@ -337,10 +342,9 @@ class _Rewrite:
     def _asked_xs(self, reads, boundary):
         """The leaf xs a segment's gradient call asks for: those it reads,
         directly or through a kept read of them, and those in ``boundary``."""
-        via_reads = {self.aliases[ref].ref() for ref in reads.refs if ref in self.aliases}
-        return [x for x in self.leaf_xs
-                if x.ref() in reads.refs or x.ref() in via_reads
-                or any(x is b for b in boundary)]
+        asked = reads.refs | {self.aliases[ref].ref() for ref in reads.refs if ref in self.aliases}
+        in_boundary = {id(b) for b in boundary}
+        return [x for x, ref in self.leaf_refs if ref in asked or id(x) in in_boundary]
 
     def _differentiate(self, copies, boundary, grads, targets, read_cp, barred):
         """TensorFlow's gradients of ``boundary``'s copy w.r.t. ``targets``,
@@ -352,12 +356,34 @@ class _Rewrite:
         before, start = len(existing), tf_internal.op_id(existing[-1]) + 1
         boundary_copies = [copies.output(t) for t in boundary]
         grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=self.name,
-                                    stop_gradients=stops, **self.grad_kwargs)
+                                    stop_gradients=stops, skip=self._earlier_segments(existing),
+                                    **self.grad_kwargs)
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
         made_now = graph.get_operations()[before:]
         _read_copies(made_now, copies.of)
         reducers_first(made_now)
         return grads_out
+
+    def _earlier_segments(self, existing):
+        """``(graph, first id, end id)`` of the ops earlier segments made, when
+        none can be an ancestor of this segment's copies (so its gradient call
+        need not walk them), else None. ``existing``: the graph's ops now.
+
+        Copies read copies, checkpoints and the forward pass, never what an
+        earlier segment made, unless a swap-in or an XLA barrier is shared
+        (checked: no op this segment made reads one), and ops made before the
+        rewrite read nothing made after it, unless a gradient rewires them
+        (while_v2 adds inputs to the loop it differentiates: no walk is left
+        out where the region holds control flow or function calls).
+        """
+        spans = self.ledger.spans
+        if not self.prunable or len(spans) < 2:
+            return None
+        lo, hi = spans[0], spans[-1]
+        made = existing[bisect.bisect_left(existing, hi, key=tf_internal.op_id):]
+        if any(lo <= tf_internal.op_id(t.op) < hi for op in made for t in op.inputs):
+            return None
+        return self.region.graph, lo, hi
 
     def _hand_on(self):
         """Fence the running sums the segment changed; the next one waits for them."""

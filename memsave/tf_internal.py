@@ -15,9 +15,12 @@ in the middle of a rewrite. A TensorFlow whose major.minor version is not
 pinned TensorFlow.
 """
 
+import collections
+import contextlib
 import functools
 import importlib
 import logging
+import threading
 
 import tensorflow as tf
 
@@ -40,6 +43,7 @@ def _missing_message(what, error):
 try:
     import tensorflow.python.pywrap_tfe
     import tensorflow.python.client.session
+    import tensorflow.python.eager.backprop_util
     import tensorflow.python.eager.record
     import tensorflow.python.eager.tape
     import tensorflow.python.framework.composite_tensor_gradient
@@ -165,6 +169,12 @@ _SYMBOLS_TABLE = (
     # tf.gradients' implementation below every public entry point; memsave
     # patches the public ones, so it must call this one to never recurse.
     ("gradients_helper", "tensorflow.python.ops.gradients_util._GradientsHelper"),
+    # tf.gradients' forward walk from the xs, what it calls per tensor, and its
+    # module (see fast_reachability).
+    ("mark_reached_ops", "tensorflow.python.ops.gradients_util._MarkReachedOps"),
+    ("consumers_across_captures", "tensorflow.python.ops.gradients_util._Consumers"),
+    ("is_trainable", "tensorflow.python.eager.backprop_util.IsTrainable"),
+    ("gradients_util_module", "tensorflow.python.ops.gradients_util"),
     # The zeros tf.gradients gives an unconnected x with UnconnectedGradients.ZERO
     # (a resource handle gets its variable's shape and dtype); no public API.
     ("zeros_for_unconnected", "tensorflow.python.ops.gradients_util._ZerosLike"),
@@ -368,6 +378,82 @@ def release_tape(tape):
     """Forget the C++ tape after a non-persistent ``gradient()``, as TF does."""
     tape._watched_variables = tape._tape.watched_variables()  # pylint: disable=protected-access
     tape._tape = None  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------
+# tf.gradients' forward reachability, same answer at a fraction of the cost.
+#
+# Each tf.gradients call first marks every op reachable from its xs
+# (``_MarkReachedOps``), then keeps those that are also ancestors of its
+# ys. Per tensor it passes, TF rebuilds the list of trainable dtypes and
+# scans every capture of the enclosing FuncGraphs (hundreds: one per
+# weight) for one that captured the tensor. A rewrite makes one call per
+# segment, each walking from the weights through everything built so far:
+# 70-85% of the build time of a 150-370 segment plan (DenseNet121,
+# MobileNetV2). The replacement asks the same questions once per call and
+# per dtype, and can leave out ops that are no ancestor of the ys (see
+# fast_reachability); what TF keeps of the walk is the same.
+
+
+def _mark_reached_ops(from_ops, reached_ops, func_graphs):
+    """``_MarkReachedOps`` with captures looked up once per call, trainability
+    once per dtype (a variant still asks per tensor), and the ops of
+    :func:`fast_reachability`'s ``skip`` not entered."""
+    captured = {id(outer) for func in func_graphs for outer, _ in func.captures}
+    graph, lo, hi = _local_skip.__dict__.pop("skip", None) or (None, 0, 0)
+    per_dtype = {}
+    queue = collections.deque(from_ops)
+    starts = set(from_ops)
+    while queue:
+        op = queue.popleft()
+        if op in reached_ops or (lo <= op._id < hi and op.graph is graph  # pylint: disable=protected-access
+                                 and op not in starts):
+            continue
+        reached_ops.add(op)
+        for output in op.outputs:
+            dtype = output.dtype
+            trainable = per_dtype.get(dtype)
+            if trainable is None:
+                trainable = per_dtype[dtype] = (
+                    None if dtype.base_dtype == tf.variant else is_trainable(dtype))
+            if trainable is None:
+                trainable = is_trainable(output)
+            if not trainable:
+                continue
+            if id(output) in captured:
+                queue.extend(consumers_across_captures(output, func_graphs))
+            else:
+                queue.extend(output.consumers())
+
+
+_reach_lock = threading.Lock()
+_reach_users = [0]
+_local_skip = threading.local()
+
+
+@contextlib.contextmanager
+def fast_reachability(skip=None):
+    """Within the block, tf.gradients walks with :func:`_mark_reached_ops`
+    (on every thread: the answer is TF's own, so other callers only gain).
+
+    ``skip``: ``(graph, lo, hi)``, ops of ``graph`` with ids in ``[lo, hi)``
+    that the next walk on this thread does not enter. The caller vouches
+    that none of them is an ancestor of that call's ys: TF keeps only the
+    reached ops that are, so its gradients are the same.
+    """
+    with _reach_lock:
+        if not _reach_users[0]:
+            gradients_util_module._MarkReachedOps = _mark_reached_ops  # pylint: disable=protected-access
+        _reach_users[0] += 1
+    _local_skip.skip = skip
+    try:
+        yield
+    finally:
+        _local_skip.__dict__.pop("skip", None)
+        with _reach_lock:
+            _reach_users[0] -= 1
+            if not _reach_users[0]:
+                gradients_util_module._MarkReachedOps = mark_reached_ops  # pylint: disable=protected-access
 
 
 SYMBOLS = tuple(_symbols)

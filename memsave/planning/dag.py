@@ -125,7 +125,8 @@ class PlanGraph(nx.DiGraph):
         except TypeError as e:
             raise PlanGraphError("tensor %r: %s (fields: %s)" % (name, e, ", ".join(FIELDS))) \
                 from None
-        self.add_node(name, **dataclasses.asdict(node))
+        # The fields are scalars: a shallow copy is what asdict's deep one gives.
+        self.add_node(name, **{f: getattr(node, f) for f in FIELDS})
         return name
 
     def tensor(self, name):

@@ -48,32 +48,52 @@ def _linearize(graph):
     return nodes, last_use, keep_bytes, seg_bytes
 
 
-def _shortest_cuts(last_use, keep_bytes, prefix, limit):
-    """Cuts minimizing kept bytes with every segment's saved bytes <= limit."""
+def _shortest_cuts(last_use, keep_bytes, prefix, limit, dying=None):
+    """Cuts minimizing kept bytes with every segment's saved bytes <= limit.
+
+    ``dying`` (:func:`_dying`) can be shared by calls on the same arrays.
+    """
     m = len(last_use)
+    dying = _dying(last_use, keep_bytes) if dying is None else dying
     dist = np.full(m + 1, np.inf)  # dist[c + 1]: best kept bytes with a cut after c
     dist[0] = 0.0
     back = np.full(m + 1, -1, dtype=np.int64)
+    # A previous cut at dist index j (after position j - 1) makes the new
+    # segment positions j..b; the bytes it adds are the tensors produced
+    # there that are still alive after b: added[j] + shift, kept up to date
+    # as b advances. Byte counts are integers (or quarters), so these sums
+    # are exact and equal the sums made afresh for each b.
+    added, shift = np.zeros(m + 1), 0.0
     lo = 0  # smallest dist index allowed for the previous cut
     for b in range(m):
         while prefix[b + 1] - prefix[lo] > limit:
             lo += 1
         if lo > b:
             return None  # a single tensor exceeds the limit
-        # A previous cut at dist index j (after position j - 1) makes the new
-        # segment positions j..b; the bytes it adds are the tensors produced
-        # there that are still alive after b.
-        window = slice(lo, b + 1)
-        alive = keep_bytes[window] * (last_use[window] > b)
-        cand = dist[lo:b + 1] + np.cumsum(alive[::-1])[::-1]
+        for i, nbytes in dying[b]:
+            if i >= lo:
+                added[lo:i + 1] -= nbytes
+        added[b] = -shift
+        if last_use[b] > b:
+            shift += keep_bytes[b]
+        cand = dist[lo:b + 1] + added[lo:b + 1]
         k = int(np.argmin(cand))
-        dist[b + 1] = cand[k]
+        dist[b + 1] = cand[k] + shift
         back[b + 1] = lo + k
     cuts, c = [], m
     while c > 0:
         cuts.append(c - 1)
         c = back[c]
     return dist[m], sorted(cuts)
+
+
+def _dying(last_use, keep_bytes):
+    """Per position b: (i, bytes) of the earlier tensors whose last use is b."""
+    dying = [[] for _ in range(len(last_use))]
+    for i, last in enumerate(last_use.tolist()):
+        if i < last < len(last_use) and keep_bytes[i]:
+            dying[last].append((i, float(keep_bytes[i])))
+    return dying
 
 
 def _kept(nodes, last_use, candidate, cuts):
@@ -168,8 +188,8 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None
         for n in nodes])
     found = {}
 
-    def evaluate(limit, weights):
-        result = _shortest_cuts(last_use, weights, prefix, limit)
+    def evaluate(limit, weights, dying):
+        result = _shortest_cuts(last_use, weights, prefix, limit, dying)
         if result is None:
             return None
         cuts = result[1]
@@ -188,7 +208,9 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None
                             for n in nodes])
         passes.append(keep_bytes * on_host)
     for weights in passes:
-        scored = [(p, lim) for lim in grid for p in [evaluate(lim, weights)] if p is not None]
+        dying = _dying(last_use, weights)
+        scored = [(p, lim) for lim in grid for p in [evaluate(lim, weights, dying)]
+                  if p is not None]
         if not scored:
             continue
         best = min(scored)[1]
@@ -196,7 +218,7 @@ def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None
         lo = grid[i - 1] if i > 0 else best / 2
         hi = grid[i + 1] if i + 1 < len(grid) else best
         for limit in np.linspace(lo, hi, 5)[1:-1]:
-            evaluate(float(limit), weights)
+            evaluate(float(limit), weights, dying)
     return sorted(found.values(), key=lambda p: p[0])
 
 

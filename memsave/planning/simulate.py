@@ -40,8 +40,11 @@ import collections
 from memsave.planning.dag import node_bytes, topological
 from memsave.planning.rules import reducer_runs_first
 
+# ``memo``: what was derived per kept set (see _memo), shared by every
+# estimate made with this Prepared: the candidate search simulates, costs
+# and grows the same kept sets several times.
 Prepared = collections.namedtuple(
-    "Prepared", "names index size saved preds ys forced early aliases pieces")
+    "Prepared", "names index size saved preds ys forced early aliases pieces memo")
 
 
 def _freed_early(graph, names, size, saved, preds):
@@ -79,7 +82,48 @@ def prepare(graph):
     forced = {i for i, n in enumerate(names) if graph.nodes[n]["forced"]}
     early = _freed_early(graph, names, size, saved, preds)
     aliases, pieces = _gradient_pieces(graph, names, index)
-    return Prepared(names, index, size, saved, preds, ys, forced, early, aliases, pieces)
+    return Prepared(names, index, size, saved, preds, ys, forced, early, aliases, pieces, {})
+
+
+def _memo(p, kind, kept, make):
+    """``make()``, computed once per (``kind``, kept index set) for ``p``."""
+    key = (kind, frozenset(kept))
+    found = p.memo.get(key)
+    if found is None:
+        found = p.memo[key] = make()
+    return found
+
+
+def _closures(p, kept):
+    """What backprop recomputes per segment with kept indices ``kept``, walked
+    once per kept set: ``(top, below)``, ``top`` the ys' segment and
+    ``below[k]`` kept node ``k``'s, each ``(sorted members, kept nodes they read)``.
+
+    :func:`recompute_once` grows a kept set a few nodes per round: a walk of
+    the previous set that met none of the new nodes is the same, so it is
+    reused (the newest set walked is remembered under ``"last"``).
+    """
+    kept = frozenset(kept)
+    key = ("closures", kept)
+    found = p.memo.get(key)
+    if found is None:
+        last_kept, last = p.memo.get("last", (None, None))
+        reusable = last_kept is not None and last_kept <= kept
+        new = kept - last_kept if reusable else kept
+        top = last[0] if reusable and new.isdisjoint(last[0][0]) else _walk(p, p.ys, kept)
+        below = {}
+        for k in kept:
+            old = last[1].get(k) if reusable else None
+            below[k] = old if old is not None and new.isdisjoint(old[0]) else _walk(p, [k], kept)
+        found = p.memo[key] = (top, below)
+        p.memo["last"] = (kept, found)
+    return found
+
+
+def _walk(p, boundary, kept):
+    """(sorted :func:`_closure` of ``boundary``, the kept nodes its members read)."""
+    members = sorted(_closure(p, boundary, kept))
+    return members, {q for n in members for q in p.preds[n] if q in kept}
 
 
 def _gradient_pieces(graph, names, index):
@@ -114,12 +158,10 @@ def _gradient_pieces(graph, names, index):
 
 
 def _segments(p, kept):
-    """[(boundary, members)] as the rewrite forms them (walks stop at kept nodes)."""
-    seeds = [(None, p.ys)] + [(k, [k]) for k in sorted(kept, reverse=True)]
-    result = []
-    for name, boundary in seeds:
-        result.append((name, boundary, sorted(_closure(p, boundary, kept))))
-    return result
+    """[(boundary, members, kept nodes read)] as the rewrite forms them (walks
+    stop at kept nodes)."""
+    top, below = _closures(p, kept)
+    return [(p.ys,) + top] + [([k],) + below[k] for k in sorted(kept, reverse=True)]
 
 
 def _closure(p, boundary, kept):
@@ -149,15 +191,19 @@ def rewrite_segments(p, kept):
     kept nodes of several levels is copied once per level: the rewrite
     recomputes it that many times.
     """
-    closures, level = {}, {}
+    return _memo(p, "rewrite", kept, lambda: _rewrite_segments(p, kept))
+
+
+def _rewrite_segments(p, kept):
+    top, below = _closures(p, kept)
+    level = {}
     for k in sorted(kept):  # topological indices: a node's deps come first
-        closures[k] = _closure(p, [k], kept)
-        deps = {q for n in closures[k] for q in p.preds[n] if q in kept and q != k}
-        level[k] = 1 + max((level[d] for d in deps), default=-1)
+        # (A kept node is no ancestor of itself: its walk never reads it.)
+        level[k] = 1 + max((level[d] for d in below[k][1]), default=-1)
     by_level = collections.defaultdict(set)
-    for k, members in closures.items():
+    for k, (members, _) in below.items():
         by_level[level[k]].update(members)
-    return [_closure(p, p.ys, kept)] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
+    return [set(top[0])] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
 
 
 def recompute_cost(graph, kept, prepared=None):
@@ -171,6 +217,10 @@ def recompute_cost(graph, kept, prepared=None):
     """
     p = prepared or prepare(graph)
     idx = kept_indices(p, kept)
+    return _memo(p, "cost", idx, lambda: _recompute_cost(graph, p, idx))
+
+
+def _recompute_cost(graph, p, idx):
     nodes = graph.nodes
     total = 0.0
     for members in rewrite_segments(p, idx):
@@ -213,14 +263,18 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     early_free = p.early if kept else {}
     kept = kept_indices(p, kept)
     off = {p.index[n] for n in offloaded if n in p.index} & kept
+    return _memo(p, ("peak", frozenset(off), bool(prefetch), bool(early_free)), kept,
+                 lambda: _simulate(p, kept, off, prefetch, early_free))
+
+
+def _simulate(p, kept, off, prefetch, early_free):
+    """:func:`simulate_peak` on kept and offloaded indices."""
     size = p.size
     segments = _segments(p, kept)
 
     readers = collections.Counter()
-    reads = []
-    for _, _, members in segments:
-        touched = {q for n in members for q in p.preds[n] if q in kept}
-        reads.append(touched)
+    reads = [touched for _, _, touched in segments]
+    for touched in reads:
         readers.update(touched)
     # Device bytes swapped in per segment: all of them while its forward is
     # recomputed, those a gradient reads during its backward.
@@ -230,7 +284,7 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
              for cur, nxt in zip(reads, reads[1:] + [set()])]
 
     sim = _Backward(p, kept, off, early_free)
-    for i, ((_, boundary, members), touched) in enumerate(zip(segments, reads)):
+    for i, (boundary, members, touched) in enumerate(segments):
         sim.segment(boundary, members, swap_fwd[i], swap_bwd[i], ahead[i])
         for k in touched:
             readers[k] -= 1
