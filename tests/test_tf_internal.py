@@ -267,3 +267,63 @@ def test_the_scan_finds_private_imports():
                      "x = op._id\n")
     assert [line for line, _ in _private_imports(tree)] == [2, 3, 4]
     assert _private_attributes(tree) == [(5, "_id")]
+
+
+# ---------------------------------------------------------------------------
+# tf.gradients' forward walk, replaced within memsave's calls: same answer.
+
+def _reach_graph():
+    """A FuncGraph that reads captured variables (one capture per weight, the
+    case TF's walk scans per tensor), an int branch and a TensorList."""
+    weights = [tf.Variable(tf.ones([4, 4]) * (i + 1)) for i in range(3)]
+    graphs = {}
+
+    @tf.function
+    def step(x):
+        h = x
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+        count = tf.shape(h)[0] * 2   # int32: not trainable, not followed
+        items = tf.raw_ops.TensorListFromTensor(
+            tensor=h, element_shape=tf.constant([4], tf.int32))
+        back = tf.raw_ops.TensorListStack(
+            input_handle=items, element_shape=tf.constant([4], tf.int32),
+            element_dtype=tf.float32, num_elements=-1)
+        graphs["g"] = tf.compat.v1.get_default_graph()
+
+        @tf.function
+        def inner():   # captures h and back: a walk through them enters here
+            graphs["inner"] = tf.compat.v1.get_default_graph()
+            return tf.reduce_sum(h * back)
+
+        return inner() + tf.cast(count, tf.float32)
+
+    step.get_concrete_function(tf.TensorSpec([2, 4], tf.float32))
+    return graphs["g"], graphs["inner"]
+
+
+def test_fast_reachability_marks_the_ops_tf_marks():
+    graph, inner = _reach_graph()
+    starts = [op for op in graph.get_operations() if op.type in ("Placeholder", "ReadVariableOp")]
+    func_graphs = [inner, graph]   # as a tf.gradients call inside ``inner`` sees them
+    for from_ops in ([starts[0]], starts):
+        theirs, ours = set(), set()
+        tf_internal.mark_reached_ops(from_ops, theirs, func_graphs)
+        tf_internal._mark_reached_ops(from_ops, ours, func_graphs)  # pylint: disable=protected-access
+        assert ours == theirs and len(ours) > len(from_ops)
+        assert any(op.graph is inner for op in ours)   # through the captures
+
+
+def test_fast_reachability_leaves_out_the_skipped_ops_once():
+    graph, _ = _reach_graph()
+    ops = graph.get_operations()
+    tanh = [op for op in ops if op.type == "Tanh"]
+    lo, hi = tf_internal.op_id(tanh[1]), tf_internal.op_id(tanh[1]) + 1
+    with tf_internal.fast_reachability((graph, lo, hi)):
+        assert tf_internal.gradients_util_module._MarkReachedOps is not tf_internal.mark_reached_ops  # pylint: disable=protected-access
+        skipped, again = set(), set()
+        tf_internal.gradients_util_module._MarkReachedOps(ops[:1], skipped, [graph])  # pylint: disable=protected-access
+        tf_internal.gradients_util_module._MarkReachedOps(ops[:1], again, [graph])  # pylint: disable=protected-access
+    assert tanh[1] not in skipped and tanh[0] in skipped
+    assert tanh[1] in again   # the skip is for the next walk only
+    assert tf_internal.gradients_util_module._MarkReachedOps is tf_internal.mark_reached_ops  # pylint: disable=protected-access
