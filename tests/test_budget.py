@@ -73,6 +73,7 @@ def test_correction_takes_the_safer_reading_of_the_error():
     assert loop.would_measure(50) == 50   # nothing measured yet
     loop.first = (100, 130)
     assert loop.would_measure(50) == pytest.approx(max(65, 80))
+    assert loop.would_measure(50, kinder=True) == pytest.approx(min(65, 80))
 
 
 def test_the_lowest_plan_is_taken_where_it_would_still_fit_the_budget():
@@ -82,7 +83,28 @@ def test_the_lowest_plan_is_taken_where_it_would_still_fit_the_budget():
     loop.first = (100, 110)               # measured 10% (and 10 bytes) above its estimate
     assert not loop.takes_lowest()        # 95 would measure 105
     loop.trace.promise = 105
+    assert loop.takes_lowest() and loop.trace.lowest
+    # A first plan far above its estimate (ConvNeXtTiny: 282.5 -> 484.6 MiB):
+    # the offset reading says the lowest (200.3) would measure 402, the ratio
+    # 344; under a 359 MiB budget it is tried, and its replan measured.
+    loop.first, loop.trace.smallest, loop.trace.promise = (282.5, 484.6), 200.3, 359.1
     assert loop.takes_lowest()
+
+
+def test_a_lowest_plan_measured_over_the_budget_is_a_budget_error_on_every_call():
+    calls = []
+    step = budget.MeasuredStep(lambda: lambda: calls.append(tf.ones([256, 256]) * 2), "test")
+    loop = step.loop
+    # The first plan measured over the budget; the replan took the lowest plan.
+    loop.first, loop.replanned = (80, 2 ** 40), True
+    loop.trace.promise, loop.trace.estimates, loop.trace.lowest = 100, [60], True
+    step._calls = 1   # pylint: disable=protected-access
+    # The replan measures over 100 bytes (its 256 KiB are).
+    with pytest.raises(memsave.BudgetError, match="the lowest plan measured"):
+        step()
+    with pytest.raises(memsave.BudgetError, match="the lowest plan measured"):
+        step()
+    assert len(calls) == 1
 
 
 def test_budgeted_step_holds_the_budget_with_plain_gradients(plain_peak, caplog):
