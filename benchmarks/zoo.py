@@ -3,7 +3,8 @@
 Run ``python -m benchmarks.zoo`` (``--models ResNet50,GPT2`` for a subset,
 ``--configs "budget 0.5 × plain;speed"`` for some configurations besides
 plain, ``--stem`` to name the results file, ``--processes 3`` by default,
-``--quick`` for small sizes and one process).
+``--quick`` for small sizes and one process, ``--render`` to rewrite the
+table and plot of a stored run).
 Each model runs in ``--processes`` child processes (plain TF's own peak
 varies 10-30% between processes, so peaks are min / median / max over
 them). In a child, one training step (forward, loss, gradients of every
@@ -263,29 +264,32 @@ def markdown(summary, machine):
              "%s. Peak: MiB above the pre-step baseline, min / median / max over processes; "
              "'vs plain': median against plain's median; time: median of alternating pairs "
              "against plain (the 'plain again' row is the noise floor); build: trace, plan "
-             "and rewrite, seconds; gradients: 'rewritten' (memsave's plan ran) or "
+             "and rewrite, seconds, and against plain's trace (budget rows trace twice when "
+             "they replan); gradients: 'rewritten' (memsave's plan ran) or "
              "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
              "ran plain gradients). Budget rows: a byte budget, the fraction times plain's "
              "measured peak in the same process, kept by memsave.budgeted (the step is "
              "measured and replanned at most once); 'budget MiB' is the median target, "
              "'held' the processes whose peak was at most the target, 'within 10%%' those "
              "also no more than 10%% below it." % machine, "",
-             "| model | config | peak MiB | vs plain | step time vs plain | build s | gradients "
-             "| budget MiB | replans | held | within 10% |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---|---|"]
-    plain = {r["model"]: r["peak_median"] for r in summary if r["config"] == "plain"}
+             "| model | config | peak MiB | vs plain | step time vs plain | build s "
+             "| build vs plain | gradients | budget MiB | replans | held | within 10% |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---|"]
+    plain = {r["model"]: r for r in summary if r["config"] == "plain"}
     for r in summary:
         if "error" in r:
-            lines.append("| %s | %s | raises: %s | | | | | | | | |" % (
+            lines.append("| %s | %s | raises: %s | | | | | | | | | |" % (
                 model_name(r["model"]), r["config"], r["error"]))
             continue
         ran = ("plain" if r["config"].startswith("plain") else
                "plain (fallback)" if r.get("fell_back") else "rewritten")
-        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f | %s |" % (
-            model_name(r["model"]), r["batch"], _size_label(r["model"], r["size"]),
-            r["config"],
-            r["peak_min"], r["peak_median"], r["peak_max"],
-            100.0 * r["peak_median"] / plain[r["model"]], r["time_ratio"], r["build_s"], ran)
+        base = plain[r["model"]]
+        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f | %.1f× "
+                     "| %s |" % (
+                         model_name(r["model"]), r["batch"], _size_label(r["model"], r["size"]),
+                         r["config"], r["peak_min"], r["peak_median"], r["peak_max"],
+                         100.0 * r["peak_median"] / base["peak_median"], r["time_ratio"],
+                         r["build_s"], r["build_s"] / max(base["build_s"], 1e-9), ran)
             + _budget_cells(r))
     return "\n".join(lines) + "\n"
 
@@ -341,11 +345,15 @@ def main(argv=None):
     parser.add_argument("--configs", help="only these configurations (labels separated by ';';"
                         " plain is always run)")
     parser.add_argument("--stem", help="results file name (default zoo, or zoo_quick)")
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite STEM.md and STEM.png from the stored STEM.json (no run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps({"rows": child(args.child, args.quick, args.pairs, args.configs)}))
         return 0
+    if args.render:
+        return _render(pathlib.Path(args.out), args.stem or ("zoo_quick" if args.quick else "zoo"))
     from benchmarks.models import machine_info  # pylint: disable=import-outside-toplevel
     processes = 1 if args.quick else args.processes
     runs = []
@@ -356,10 +364,24 @@ def main(argv=None):
     stem = args.stem or ("zoo_quick" if args.quick else "zoo")
     summary = _summary(runs)
     machine = machine_info()
-    text = markdown(summary, "CPU (%s, %d cores), TensorFlow %s" % (
-        machine["processor"], machine["cpus"], machine["tf_version"]))
+    text = markdown(summary, _machine_line(machine))
     out = cli.write(args.out, stem, {"machine": machine, "runs": runs, "summary": summary}, text)
     plot(summary, out / (stem + ".png"))
+    print(text)
+    return 0
+
+
+def _machine_line(machine):
+    return "CPU (%s, %d cores), TensorFlow %s" % (
+        machine["processor"], machine["cpus"], machine["tf_version"])
+
+
+def _render(out, stem):
+    """The table and plot of a stored run, for a change of their layout."""
+    data = json.loads((out / (stem + ".json")).read_text())
+    text = markdown(data["summary"], _machine_line(data["machine"]))
+    (out / (stem + ".md")).write_text(text)
+    plot(data["summary"], out / (stem + ".png"))
     print(text)
     return 0
 

@@ -80,3 +80,23 @@ def test_zoo_benchmark_quick(tmp_path):
     assert (tmp_path / "zoo_quick.png").stat().st_size > 10_000
     assert "| GPT2" in stdout
     assert "| rewritten |" in stdout and "| plain (fallback) |" in stdout
+
+
+def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
+    from benchmarks import zoo  # pylint: disable=import-outside-toplevel
+    row = dict(model="GPT2", batch=2, size=64, peak_min=10.0, peak_median=10.0, peak_max=10.0,
+               processes=1, time_ratio=1.0, build_s=2.0, fell_back=False)
+    summary = [dict(row, config="plain"),
+               dict(row, config="optimal (default)", peak_min=4.0, peak_median=4.0, peak_max=4.0,
+                    time_ratio=1.2, build_s=3.0),
+               dict(model="GPT2", config="budget 0.3 × plain", error="BudgetError: no plan")]
+    machine = dict(processor="x", cpus=2, tf_version="2.21.0")
+    (tmp_path / "zoo.json").write_text(json.dumps({"machine": machine, "runs": [],
+                                                   "summary": summary}))
+    assert zoo.main(["--render", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "zoo.md").read_text()
+    assert "| build vs plain |" in table
+    assert "| GPT2 (b2, 64 tokens) | optimal (default) | 4.0 / 4.0 / 4.0 | 40% | 1.20× | 3.0 " \
+           "| 1.5× | rewritten |" in table
+    assert "| GPT2 | budget 0.3 × plain | raises: BudgetError: no plan |" in table
+    assert (tmp_path / "zoo.png").stat().st_size > 10_000
