@@ -101,7 +101,7 @@ def child(name, quick, mode, budget, grads_path):
     error = max(float(np.abs(a - b).max()) for a, b in zip(plain, first)) / scale
     out = dict(outcome="trained", loss=float(loss), gradient_error=error)
     if mode == "memsave":
-        out.update(peak=peak_memory(step), replans=int(step.loop.replanned),
+        out.update(peak=peak_memory(step), replans=step.loop.replans,
                    first_measured=step.loop.first[1] if step.loop.first else None)
     return out
 

@@ -168,7 +168,7 @@ def child(name, quick, pairs, only=None):
         try:
             first = timed(step)
             calls = 1
-            while budget and not step.loop.done:   # measured, replanned at most once
+            while budget and not step.loop.done:   # measured, replanned (see memsave.budget)
                 first += timed(step)
                 calls += 1
         except (memsave.NoBottleneckError, ValueError) as e:
@@ -180,7 +180,7 @@ def child(name, quick, pairs, only=None):
                    fell_back=checkpoints is not None and said.fell_back(),
                    build_s=max(0.0, first - calls * once), peak_mib=peak_memory(step) / MIB)
         if budget:
-            row.update(budget_mib=budget / MIB, replans=int(step.loop.replanned))
+            row.update(budget_mib=budget / MIB, replans=step.loop.replans)
         rows.append(row)
     plain = steps["plain"]
     for row in rows:
@@ -269,7 +269,9 @@ def markdown(summary, machine):
              "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
              "ran plain gradients). Budget rows: a byte budget, the fraction times plain's "
              "measured peak in the same process, kept by memsave.budgeted (the step is "
-             "measured and replanned at most once); 'budget MiB' is the median target, "
+             "measured and replanned once; a replan measured over the budget is followed by "
+             "the lowest plan); 'budget MiB' is the median target, 'replans' the most in a "
+             "process, "
              "'held' the processes whose peak was at most the target, 'within 10%%' those "
              "also no more than 10%% below it." % machine, "",
              "| model | config | peak MiB | vs plain | step time vs plain | build s "
