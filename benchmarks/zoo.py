@@ -79,7 +79,8 @@ ONLY = {"ResNet50@224": ("plain", "plain again", "optimal (default)",
 # dominate: the default, the cheap regime and the budgets.
 for _key in ("GPT2@1024", "BERT@1024"):
     ONLY[_key] = ("plain", "plain again", "optimal (default)", "optimal, max_recompute=0.05",
-                  "optimal, max_recompute=0.1") + BUDGET_ROWS
+                  "optimal, max_recompute=0.1", "optimal, max_recompute=0.3",
+                  "optimal, max_recompute=0.5") + BUDGET_ROWS
 
 
 def model_name(key):
