@@ -58,7 +58,7 @@ CONFIGS = (
 )
 # The 'budget' rows: a byte budget, the fraction times plain's measured peak in
 # the same process, kept on the allocator by memsave.budgeted (measured, then
-# replanned once if over or more than 10% below).
+# replanned once if over or more than 10% below; see memsave.budget).
 BUDGET_ROWS = tuple(label for label, _, _ in CONFIGS if label.startswith("budget "))
 # (batch, image side) per model: activations outweigh weights. ResNet50's
 # weight gradients (about 90 MiB, held to the end of every plan) were a
