@@ -167,6 +167,18 @@ def test_a_replan_over_the_budget_is_followed_by_the_lowest_plan(plain_peak, mon
     _assert_same(_chain_step()(), step())
 
 
+def test_the_last_resort_is_taken_once():
+    # A plan for the lowest peak that the planner did not mark as the lowest
+    # (no BudgetError on the way) and that measures over: an error, not a
+    # third replan.
+    loop = budget.Loop("test")
+    loop.first, loop.replanned, loop.last_resort = (80, 150), True, True
+    loop.trace.promise, loop.trace.estimates = 100, [60]
+    with pytest.raises(memsave.BudgetError, match="the last plan measured"):
+        loop.observe(120)
+    assert loop.replans == 2
+
+
 def test_no_plan_fits_is_a_budget_error_before_the_step():
     step = memsave.budgeted(_chain_step(2 ** 20))
     with pytest.raises(memsave.BudgetError, match=r"budget of 1\.0 MiB: the smallest plan"):
