@@ -83,7 +83,8 @@ class _Trace:
 
 
 class Loop:
-    """One step's budget loop (see the module docstring): targets, measurements, one replan."""
+    """One step's budget loop (see the module docstring): targets, measurements, a
+    replan, and the lowest plan where that replan is over the budget too."""
 
     def __init__(self, where):
         self.where = where

@@ -133,16 +133,24 @@ def test_an_estimate_that_is_low_is_corrected_by_one_replan(plain_peak, monkeypa
     assert any("replanned to estimate" in r.getMessage() for r in caplog.records)
 
 
+def _settled_past_the_budget(target, first_aim, monkeypatch, caplog):
+    """A budgeted chain whose first plan aims at ``first_aim`` of ``target`` and
+    whose replan aims at three times it (an estimate wrong for larger plans),
+    called until its loop settles, logging at INFO into ``caplog``."""
+    monkeypatch.setattr(budget, "FIRST_AIM", first_aim)
+    monkeypatch.setattr(budget, "_correction", lambda estimate, measured: lambda p: 3 * p)
+    step = memsave.budgeted(_chain_step(target))
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        _settled(step)
+    return step
+
+
 def test_a_looser_replan_that_overshoots_goes_back_to_the_first_plan(plain_peak, monkeypatch,
                                                                       caplog):
     # The first plan aims well below the budget, the replan past it, as an
     # estimate that is low for larger plans would: the step keeps the first.
-    monkeypatch.setattr(budget, "FIRST_AIM", 0.5)
-    monkeypatch.setattr(budget, "_correction", lambda estimate, measured: lambda p: 3 * p)
     target = int(0.6 * plain_peak)
-    step = memsave.budgeted(_chain_step(target))
-    with caplog.at_level(logging.INFO, logger="memsave"):
-        _settled(step)
+    step = _settled_past_the_budget(target, 0.5, monkeypatch, caplog)
     assert step.loop.replanned and step.loop.first[1] <= target
     assert any("back to the first plan" in r.getMessage() for r in caplog.records)
     assert peak_memory(step) <= target
@@ -154,12 +162,8 @@ def test_a_replan_over_the_budget_is_followed_by_the_lowest_plan(plain_peak, mon
     # The first plan overshoots and the replan's correction is wrong the other
     # way (as ConvNeXtTiny's estimates were): both measure over the budget,
     # and the lowest plan, measured once more, holds it.
-    monkeypatch.setattr(budget, "FIRST_AIM", 1.6)
-    monkeypatch.setattr(budget, "_correction", lambda estimate, measured: lambda p: 3 * p)
     target = int(0.5 * plain_peak)
-    step = memsave.budgeted(_chain_step(target))
-    with caplog.at_level(logging.INFO, logger="memsave"):
-        _settled(step)
+    step = _settled_past_the_budget(target, 1.6, monkeypatch, caplog)
     assert step.loop.last_resort and step.loop.replans == 2
     assert any("planning for the lowest peak" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
