@@ -5,7 +5,10 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.planning.optimal import BudgetError
+from memsave.planning import PlanGraph
+from memsave.planning.optimal import BudgetError, optimal, plans
+from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
+from memsave.planning.strategies import forward_work, speed
 from memsave.profile import estimate_peak, peak_memory, session_step
 from tests import models
 from tests.builders import gelu, tanh_chain
@@ -207,3 +210,48 @@ def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
             assert plan.recompute_fraction <= min(fitting) + 1e-9, (budget, plan.summary())
         grads = memsave.gradients(loss, ws, checkpoints="optimal", budget=0.5)
     assert_same_as_plain(graph, loss, ws, grads)
+
+
+def _pyramid(stages=4, layers=4):
+    """A CNN's shape as a planning graph: conv -> relu layers whose activations
+    halve per stage while each conv's FLOPs per byte grow fourfold."""
+    g = PlanGraph()
+    g.add_tensor("x", order=-1, bytes=0, elements=0, cost=1.0, x=True, op_type="Conv2D")
+    prev, order = "x", 0
+    for s in range(stages):
+        size = (8 * 2 ** 20) >> s
+        for i in range(layers):
+            for kind in ("Conv2D", "Relu"):
+                heavy = kind == "Conv2D"
+                name = "s%d_%s%d" % (s, kind.lower(), i)
+                g.add_tensor(name, order=order, elements=size // 4, bytes=size,
+                             cost=float(size * (10 * 4 ** s if heavy else 1)), op_type=kind,
+                             candidate=True, expensive=heavy, split_gradient=heavy,
+                             grad_reads_output=not heavy)
+                g.add_edge(prev, name)
+                prev, order = name, order + 1
+    g.add_tensor("y", order=order, elements=1, bytes=4, cost=1.0, op_type="Sum", y=True)
+    g.add_edge(prev, "y")
+    return g
+
+
+def test_optimal_blends_the_lowest_cuts_with_the_convolutions_kept():
+    """The DP's lowest cuts recompute about a forward pass; keeping them where
+    activations are large for their FLOPs (the first stages) and every conv
+    output elsewhere is as low for a fraction of the work. The default and a
+    budget between the two both find such a blend."""
+    g = _pyramid()
+    prepared = prepare(g)
+    forward = forward_work(g)
+    cuts = min((simulate_peak(g, kept, prepared), recompute_cost(g, kept, prepared))
+               for _, _, kept in plans(g))
+    convs = speed(g)
+    assert cuts[1] > 0.9 * forward and convs.estimated_peak_bytes > cuts[0]
+
+    default = optimal(g)
+    assert default.estimated_peak_bytes <= cuts[0]
+    assert default.recompute_fraction < 0.1, default.summary()
+    budget = (cuts[0] + convs.estimated_peak_bytes) / 2
+    fitted = optimal(g, budget=budget)
+    assert fitted.estimated_peak_bytes <= budget
+    assert fitted.recompute_fraction < convs.recompute_fraction + 0.05, fitted.summary()

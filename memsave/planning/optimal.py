@@ -29,6 +29,8 @@ from memsave.planning.strategies import (forward_work, memory, recompute_once,
 
 logger = logging.getLogger("memsave")
 
+_SPLIT_STEPS = 128   # _blends bisects a split to 1/128 of the graph
+
 
 def _linearize(graph):
     nodes = topological(graph, [n for n, d in graph.nodes(data=True) if not d["x"]])
@@ -252,7 +254,13 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     cap = None if max_recompute is None else max_recompute * forward
     kept_sets = _candidate_kept_sets(graph, prepared, forced, limit, cap,
                                      model if offload else None)
-    options = _scored_options(graph, prepared, kept_sets, forced, cap, offload, model)
+    options = _scored_options(graph, prepared, kept_sets, forced, offload, model)
+    if options:
+        options += _scored_options(graph, prepared, _blends(
+            graph, prepared, forced, min(options, key=lambda p: (p[0], p[1]))[2], limit, cap),
+            forced, offload, model)
+    if cap is not None:
+        options = [p for p in options if p[4] <= cap]
     if not options and limit is None:
         # Only plain backprop recomputes nothing at all (forced tensors are
         # kept there anyway): an empty plan.
@@ -291,7 +299,8 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model):
     candidates = plans(graph, prefer_speed=limit is not None or cap is not None,
                        offload_model=offload_model, prepared=prepared)
     if cap is not None:
-        candidates = [c for c in candidates if c[1] <= cap]
+        # The lowest (an end of the blends, see _blends), and those under the cap.
+        candidates = candidates[:1] + [c for c in candidates[1:] if c[1] <= cap]
     # (The DP's estimate ignores offloading: with it, every candidate is simulated.)
     if offload_model is None:
         if limit is None:
@@ -317,16 +326,62 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model):
     return kept_sets
 
 
-def _scored_options(graph, prepared, kept_sets, forced, cap, offload, model):
+def _blends(graph, prepared, forced, low, limit, cap):
+    """Kept sets between the lowest plan ``low`` and the 'speed' set: ``low``'s
+    kept tensors on one side of a split position in topological order, every
+    matmul/conv output on the other.
+
+    The DP's plans recompute about one forward pass and the speed set almost
+    nothing; in between, recomputing only where activations are large for
+    their FLOPs (a CNN's first stages) cuts most of the peak for part of the
+    work (ResNet50: the lowest estimated peak recomputing 60% of a forward
+    pass instead of 99%; plans in between for budgets and caps). Taking more
+    of ``low`` lowers the peak and adds recomputation, so for each side the
+    split is bisected: the least of ``low`` that fits ``limit`` (without
+    one, ``low``'s own peak), or under ``cap`` alone the most of ``low``
+    within it. Returns the kept sets tried.
+    """
+    fast = recompute_once(graph, speed_candidates(graph), prepared)
+    position, m = prepared.index, len(prepared.names)
+    target = simulate_peak(graph, set(low) | set(forced), prepared) if limit is None else limit
+    by_peak = limit is not None or cap is None
+
+    def enough(kept):
+        """Monotone in the amount of ``low`` taken (false, then true)."""
+        everything = set(kept) | set(forced)
+        if by_peak:
+            return simulate_peak(graph, everything, prepared) <= target
+        return bool(everything) and recompute_cost(graph, kept, prepared) > cap
+
+    tried = []
+    for low_first in (True, False):
+        def blend(amount, low_first=low_first):
+            split = amount if low_first else m - amount
+            first, then = (low, fast) if low_first else (fast, low)
+            kept = recompute_once(graph, [n for n in first if position.get(n, 0) < split]
+                                  + [n for n in then if position.get(n, 0) >= split], prepared)
+            tried.append(kept)
+            return kept
+        lo, hi = 0, m   # amount of low: enough(blend(hi)) is taken as true
+        while hi - lo > max(1, m // _SPLIT_STEPS):
+            mid = (lo + hi) // 2
+            if enough(blend(mid)):
+                hi = mid
+            else:
+                lo = mid
+        blend(lo)
+        blend(hi)
+    return tried
+
+
+def _scored_options(graph, prepared, kept_sets, forced, offload, model):
     """(simulated peak, seconds, kept, offloaded, recomputed FLOPs) for each kept
-    set under the cap, and with ``offload`` for each way of offloading it."""
+    set, and with ``offload`` for each way of offloading it."""
     options = []
     for kept in kept_sets:
         everything = set(kept) | set(forced)
         # Nothing kept at all is plain backprop: nothing recomputed.
         flops = recompute_cost(graph, kept, prepared) if everything else 0.0
-        if cap is not None and flops > cap:
-            continue
         choices = [()]
         if offload:
             movable = offloadable(graph, topological(graph, everything))
