@@ -235,23 +235,26 @@ def _pyramid(stages=4, layers=4):
     return g
 
 
-def test_optimal_blends_the_lowest_cuts_with_the_convolutions_kept():
+def test_budgets_and_caps_blend_the_lowest_cuts_with_the_convolutions_kept():
     """The DP's lowest cuts recompute about a forward pass; keeping them where
     activations are large for their FLOPs (the first stages) and every conv
-    output elsewhere is as low for a fraction of the work. The default and a
-    budget between the two both find such a blend."""
+    output elsewhere fits a budget between the two, or a cap, for a fraction
+    of the work. The lowest peak itself stays the DP's (a blend estimated as
+    low measured higher on the zoo's CNNs)."""
     g = _pyramid()
     prepared = prepare(g)
     forward = forward_work(g)
     cuts = min((simulate_peak(g, kept, prepared), recompute_cost(g, kept, prepared))
                for _, _, kept in plans(g))
     convs = speed(g)
-    assert cuts[1] > 0.9 * forward and convs.estimated_peak_bytes > cuts[0]
+    lowest = optimal(g)
+    assert lowest.estimated_peak_bytes <= cuts[0] < convs.estimated_peak_bytes
+    assert cuts[1] > 0.9 * forward and lowest.recompute_fraction > 0.9
 
-    default = optimal(g)
-    assert default.estimated_peak_bytes <= cuts[0]
-    assert default.recompute_fraction < 0.1, default.summary()
-    budget = (cuts[0] + convs.estimated_peak_bytes) / 2
+    budget = (lowest.estimated_peak_bytes + convs.estimated_peak_bytes) / 2
     fitted = optimal(g, budget=budget)
-    assert fitted.estimated_peak_bytes <= budget
+    assert 0.9 * budget <= fitted.estimated_peak_bytes <= budget, fitted.summary()
     assert fitted.recompute_fraction < convs.recompute_fraction + 0.05, fitted.summary()
+    capped = optimal(g, max_recompute=0.1)
+    assert capped.recompute_fraction <= 0.1
+    assert capped.estimated_peak_bytes < convs.estimated_peak_bytes, capped.summary()
