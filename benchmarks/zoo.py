@@ -270,9 +270,9 @@ def markdown(summary, machine):
              "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
              "ran plain gradients). Budget rows: a byte budget, the fraction times plain's "
              "measured peak in the same process, kept by memsave.budgeted (the step is "
-             "measured and replanned once; a replan measured over the budget is followed by "
-             "the lowest plan); 'budget MiB' is the median target, 'replans' the most in a "
-             "process, "
+             "measured and replanned once; a replan measured over 95%% of the budget is "
+             "followed by the lowest plan); 'budget MiB' is the median target, 'replans' the "
+             "most in a process, "
              "'held' the processes whose peak was at most the target, 'within 10%%' those "
              "also no more than 10%% below it." % machine, "",
              "| model | config | peak MiB | vs plain | step time vs plain | build s "

@@ -183,6 +183,24 @@ def test_the_last_resort_is_taken_once():
     assert loop.replans == 2
 
 
+def test_a_replan_within_the_budget_but_past_the_margin_is_not_kept():
+    # A step's peak varies by a few percent between calls: a replan measured at
+    # 98% of the budget is followed by the lowest plan, and the lowest plan
+    # measured there is a BudgetError, not a promise a later call breaks.
+    loop = budget.Loop("test")
+    loop.first, loop.replanned = (80, 97), True
+    loop.trace.promise, loop.trace.estimates = 100, [70]
+    assert loop.observe(98) == budget.REPLAN and loop.last_resort
+    loop.trace.promise, loop.trace.estimates = 100, [60]
+    with pytest.raises(memsave.BudgetError, match="more than 95% of the budget"):
+        loop.observe(98)
+    # Within the margin, the replan is kept.
+    loop = budget.Loop("test")
+    loop.first, loop.replanned = (80, 97), True
+    loop.trace.promise, loop.trace.estimates = 100, [70]
+    assert loop.observe(94) is None and loop.done and not loop.last_resort
+
+
 def test_no_plan_fits_is_a_budget_error_before_the_step():
     step = memsave.budgeted(_chain_step(2 ** 20))
     with pytest.raises(memsave.BudgetError, match=r"budget of 1\.0 MiB: the smallest plan"):

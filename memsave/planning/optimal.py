@@ -346,14 +346,12 @@ def _blends(graph, prepared, forced, low, limit, cap):
     """
     fast = recompute_once(graph, speed_candidates(graph), prepared)
     position, m = prepared.index, len(prepared.names)
-    target = limit
-    by_peak = limit is not None
 
     def enough(kept):
         """Monotone in the amount of ``low`` taken (false, then true)."""
         everything = set(kept) | set(forced)
-        if by_peak:
-            return simulate_peak(graph, everything, prepared) <= target
+        if limit is not None:
+            return simulate_peak(graph, everything, prepared) <= limit
         return bool(everything) and recompute_cost(graph, kept, prepared) > cap
 
     tried = {}
