@@ -53,8 +53,8 @@ from memsave.log import warn_once
 logger = logging.getLogger("memsave")
 
 FIRST_AIM = 0.8    # the first plan's target, as a fraction of the budget
-# A replan's target, and the most of the budget a measured peak may take: a
-# step's peak varies by a few percent between calls of one process.
+# The most of the budget a measured peak may take: a step's peak varies by a
+# few percent between calls of one process.
 AIM = 0.95
 # Where a replan aims: the middle of the band it is kept in (within TOLERANCE
 # below the budget, under AIM), since the calls of one plan vary by up to 9%
@@ -345,8 +345,8 @@ def budgeted(step):
 
     The second and third calls are measured; if the larger peak is over a
     byte budget (or more than 10% below it), the step is traced again with a
-    corrected target, once. See the module docstring. Returns a callable to use in place of
-    ``step``.
+    corrected target, once. See the module docstring. Returns a callable to
+    use in place of ``step``.
     """
     if not callable(step):
         raise TypeError("memsave.budgeted needs a callable step, got %r" % (step,))
