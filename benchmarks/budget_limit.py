@@ -44,7 +44,7 @@ STEPS = 7   # enough for the loop to measure two calls, replan once and measure 
 # BFC's chunks and bins waste a fifth to a third of a capped pool (MobileNetV2
 # ran out of memory under a cap 21% above the bytes it had in use; BERT's
 # budgeted step, replanned to about 37 MiB in use with 75% of the cap as its
-# budget, in one run of two).
+# budget, ran out of memory in one run of two).
 HEADROOM = 0.65
 
 
