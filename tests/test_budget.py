@@ -257,7 +257,9 @@ def test_two_models_train_under_a_hard_limit_where_plain_runs_out_of_memory(tmp_
     steps run out of memory; memsave's budgeted steps train within the budget,
     their first gradients plain's."""
     from benchmarks import budget_limit   # pylint: disable=import-outside-toplevel
-    rows = [budget_limit.measure(name, True, 0.7) for name in budget_limit.MODELS]
+    # A cap of 80% of plain's peak; memsave's budget, 65% of that, is 52% of
+    # plain's: GPT2's lowest plan measures about 44%, within 95% of it.
+    rows = [budget_limit.measure(name, True, 0.8) for name in budget_limit.MODELS]
     assert len(rows) >= 2
     for row in rows:
         assert row["plain"]["outcome"].startswith("out of memory"), row
