@@ -1,7 +1,7 @@
 """A budget under a hard memory limit: plain runs out of memory, memsave trains.
 
 ``python -m benchmarks.budget_limit`` (``--quick`` for small sizes,
-``--fraction 0.7`` the cap above the baseline as a fraction of plain's
+``--fraction 0.8`` the cap above the baseline as a fraction of plain's
 step peak). For each model, three fresh processes:
 
 1. uncapped: the allocator's baseline before the first step (weights, data)
@@ -167,7 +167,7 @@ def markdown(rows, machine):
 def main(argv=None):
     parser = cli.parser(__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--fraction", type=float, default=0.7)
+    parser.add_argument("--fraction", type=float, default=0.8)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     for name in ("--child", "--mode", "--budget", "--grads"):
         parser.add_argument(name, help=argparse.SUPPRESS)
