@@ -252,13 +252,18 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
     forward = forward_work(graph) or 1.0
     cap = None if max_recompute is None else max_recompute * forward
+    # Every matmul/conv output kept, recomputing only the cheap ops between
+    # them: a candidate under a budget or cap, and an end of the blends.
+    fast = (None if limit is None and cap is None
+            else recompute_once(graph, speed_candidates(graph), prepared))
     kept_sets = _candidate_kept_sets(graph, prepared, forced, limit, cap,
-                                     model if offload else None)
+                                     model if offload else None, fast)
     options = _scored_options(graph, prepared, kept_sets, forced, offload, model)
-    if options and (limit is not None or cap is not None):
-        options += _scored_options(graph, prepared, _blends(
-            graph, prepared, forced, min(options, key=lambda p: (p[0], p[1]))[2], limit, cap),
-            forced, offload, model)
+    if options and fast is not None:
+        low = min(options, key=lambda p: (p[0], p[1]))[2]
+        options += _scored_options(graph, prepared,
+                                   _blends(graph, prepared, forced, low, fast, limit, cap),
+                                   forced, offload, model)
     if cap is not None:
         options = [p for p in options if p[4] <= cap]
     if not options and limit is None:
@@ -290,7 +295,7 @@ def _check_options(budget, offload, max_recompute):
                          "most 10%% extra forward FLOPs), got %r" % (max_recompute,))
 
 
-def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model):
+def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fast):
     """Kept sets worth simulating: the DP's most promising plans, plain
     backprop, the 'memory' spacing and, under a cap or budget, selective
     recomputation. ``offload_model`` is set when offloading is tried."""
@@ -314,11 +319,11 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model):
         kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
     except ValueError:
         pass
-    if cap is not None or limit is not None:
+    if fast is not None:
         # Keeping every matmul/conv output and recomputing only the cheap ops
         # between them (selective recomputation) is what a tight cap allows,
         # and often the least recomputation that fits a budget.
-        kept_sets.append(recompute_once(graph, speed_candidates(graph), prepared))
+        kept_sets.append(fast)
     if cap is not None:
         kept_sets += _selective(graph, prepared, cap=cap)
     if limit is not None:
@@ -326,10 +331,11 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model):
     return kept_sets
 
 
-def _blends(graph, prepared, forced, low, limit, cap):
+def _blends(graph, prepared, forced, low, fast, limit, cap):
     """Kept sets for a budget ``limit`` or a cap, between the lowest plan
-    ``low`` and the 'speed' set: ``low``'s kept tensors on one side of a split
-    position in topological order, every matmul/conv output on the other.
+    ``low`` and ``fast`` (every matmul/conv output kept): ``low``'s kept
+    tensors on one side of a split position in topological order, ``fast``'s
+    on the other.
 
     The DP's plans recompute about one forward pass and the speed set almost
     nothing; in between, recomputing only where activations are large for
@@ -344,7 +350,6 @@ def _blends(graph, prepared, forced, low, limit, cap):
     measured higher on every zoo CNN, 9% on ResNet50 and 17% on
     ConvNeXtTiny, as the estimate misses more where more is kept.)
     """
-    fast = recompute_once(graph, speed_candidates(graph), prepared)
     position, m = prepared.index, len(prepared.names)
 
     def enough(kept):
@@ -361,8 +366,8 @@ def _blends(graph, prepared, forced, low, limit, cap):
                 split = amount if low_first else m - amount
                 first, then = (low, fast) if low_first else (fast, low)
                 tried[low_first, amount] = recompute_once(
-                    graph, [n for n in first if position.get(n, 0) < split]
-                    + [n for n in then if position.get(n, 0) >= split], prepared)
+                    graph, [n for n in first if position[n] < split]
+                    + [n for n in then if position[n] >= split], prepared)
             return tried[low_first, amount]
         lo, hi = 0, m   # amount of low: enough(blend(hi)) is taken as true
         while hi - lo > max(1, m // _SPLIT_STEPS):
