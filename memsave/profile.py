@@ -7,11 +7,16 @@ read when the TensorFlow runtime starts) and one inter-op thread, which fixes
 the execution order.
 """
 
+import collections
+import dataclasses
+import glob
 import logging
 import os
+import tempfile
 
 import tensorflow as tf
 
+from memsave import tf_internal
 from memsave.log import warn_once
 
 logger = logging.getLogger("memsave")
@@ -65,6 +70,131 @@ def measured_call(step, *args, device=None, **kwargs):
     peak = memory_info(device)["peak"] - base
     logger.debug("memsave.profile: peak %d bytes above a baseline of %d on %s", peak, base, device)
     return result, peak
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+    """What was allocated at the peak of one call (see :func:`peak_breakdown`).
+
+    ``peak``: bytes above the pre-call baseline, as :func:`peak_memory`
+    measures. ``at``: the op whose allocation reached it (None where no op is
+    named). ``live``: ``(op, kind, bytes, count)`` of the allocations made
+    during the call and alive at the peak, largest first; ``kind`` is the
+    allocator's region ('output', 'temp', ...), op and kind are None for
+    buffers no op is named for: scratch some kernels allocate outside their
+    op's annotation, and the buffers of XLA-compiled calls. ``unnamed``:
+    their bytes.
+    """
+
+    peak: int
+    at: object
+    live: tuple
+    unnamed: int
+
+    def summary(self, top=10):
+        mib = 2 ** 20
+        lines = ["peak %.1f MiB above the baseline, reached by %s"
+                 % (self.peak / mib, self.at or "an allocation no op is named for")]
+        for op, kind, nbytes, count in self.live[:top]:
+            lines.append("  %9.2f MiB  %s%s%s" % (
+                nbytes / mib, op or "(no op: kernel scratch or an XLA call's buffers)",
+                " [%s]" % kind if kind else "", " x%d" % count if count > 1 else ""))
+        if len(self.live) > top:
+            rest = sum(row[2] for row in self.live[top:])
+            lines.append("  %9.2f MiB  %d more" % (rest / mib, len(self.live) - top))
+        return "\n".join(lines)
+
+
+def peak_breakdown(step, *args, device=None, warmup=1, **kwargs):
+    """Run ``step`` once under TensorFlow's profiler and say what was live at its peak.
+
+    Where :func:`peak_memory` gives one figure, this names the tensors and
+    scratch behind it, from the allocator events of the profiler's trace,
+    for the case where a peak is higher than expected (a plan's estimate, a
+    budget). ``step`` is called ``warmup`` times first, as for
+    :func:`peak_memory`. The profiler is process-wide: not while another
+    trace is running.
+    """
+    if not callable(step):
+        raise TypeError("peak_breakdown needs a callable step, got %r" % (step,))
+    for _ in range(warmup):
+        step(*args, **kwargs)
+    device = device or default_device()
+    base = memory_info(device)["current"]
+    with tempfile.TemporaryDirectory(prefix="memsave-profile-") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            step(*args, **kwargs)
+        finally:
+            tf.profiler.experimental.stop()
+        paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            raise RuntimeError("memsave.profile: the profiler wrote no trace in %s" % logdir)
+        space = tf_internal.XSpace()
+        with open(paths[0], "rb") as f:
+            space.ParseFromString(f.read())
+    events = _allocation_events(space, device)
+    if not events:
+        raise RuntimeError("memsave.profile: the trace has no allocations on %s; %s"
+                           % (device, ENV_HINT))
+    return _at_peak(events, base)
+
+
+def _allocator_of(device):
+    """A test on allocator names: those of ``device`` ('GPU:1' -> 'GPU_1_bfc')."""
+    kind, _, index = device.upper().rpartition("/DEVICE:")[2].partition(":")
+    if kind == "GPU":
+        name = "GPU_%s_bfc" % (index or "0")
+        return lambda allocator: allocator == name
+    return lambda allocator: "cpu" in allocator.lower()
+
+
+def _allocation_events(space, device):
+    """``(time, allocated?, stats)`` of ``device``'s allocator events, in time order."""
+    mine = _allocator_of(device)
+    events = []
+    for plane in space.planes:
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        kinds = {k: v.name for k, v in plane.event_metadata.items()
+                 if v.name in ("MemoryAllocation", "MemoryDeallocation")}
+        for line in plane.lines:
+            for event in line.events:
+                if event.metadata_id not in kinds:
+                    continue
+                stats = {}
+                for stat in event.stats:
+                    value = getattr(stat, stat.WhichOneof("value"))
+                    if stat.WhichOneof("value") == "ref_value":
+                        value = plane.stat_metadata[value].name
+                    stats[stat_names[stat.metadata_id]] = value
+                if mine(stats.get("allocator_name", "")):
+                    allocated = kinds[event.metadata_id] == "MemoryAllocation"
+                    events.append((line.timestamp_ns * 1000 + event.offset_ps, allocated, stats))
+    events.sort(key=lambda e: e[0])
+    return events
+
+
+def _at_peak(events, base):
+    """The :class:`PeakBreakdown` of allocator ``events`` above ``base`` bytes."""
+    live, peak, at, at_peak = {}, None, None, {}
+    for _, allocated, stats in events:
+        if allocated:
+            live[stats["addr"]] = (stats.get("tf_op") or None, stats.get("region_type") or None,
+                                   int(stats["allocation_bytes"]))
+        else:
+            live.pop(stats["addr"], None)   # allocated before the call: the baseline
+        in_use = int(stats["bytes_allocated"])
+        if peak is None or in_use > peak:
+            peak, at_peak = in_use, dict(live)
+            at = (stats.get("tf_op") or None) if allocated else None
+    grouped = collections.defaultdict(lambda: [0, 0])
+    for op, kind, nbytes in at_peak.values():
+        grouped[(op, kind)][0] += nbytes
+        grouped[(op, kind)][1] += 1
+    rows = sorted(((op, kind, n, c) for (op, kind), (n, c) in grouped.items()),
+                  key=lambda row: (-row[2], row[0] or "", row[1] or ""))
+    unnamed = sum(n for op, _, n, _ in rows if op is None)
+    return PeakBreakdown(peak=max(0, peak - base), at=at, live=tuple(rows), unnamed=unnamed)
 
 
 def session_step(session, fetches, feed_dict=None):

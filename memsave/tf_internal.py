@@ -209,6 +209,10 @@ _SYMBOLS_TABLE = (
     # (tf.raw_ops lacks it); memsave inserts it only where XLA compiles the step.
     ("xla_optimization_barrier",
      "tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier"),
+    # The profiler's trace (what tf.profiler.experimental.stop writes): its
+    # allocator events are the only per-allocation record of a step; TF exports
+    # no reader for the file.
+    ("XSpace", "tensorflow.tsl.profiler.protobuf.xplane_pb2.XSpace"),
     # The modules memsave.patch() patches besides tf and tf.compat.v1:
     # tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.
     ("gradients_impl_module", "tensorflow.python.ops.gradients_impl"),

@@ -1,0 +1,54 @@
+"""The meter's breakdown of a peak, against the meter itself."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from memsave.profile import peak_breakdown, peak_memory, session_step
+
+MIB = 2 ** 20
+
+
+def _step():
+    """A step whose peak holds two known activations of 1 MiB and 4 MiB."""
+    x = tf.constant(np.random.RandomState(0).rand(256, 1024).astype(np.float32))
+    w = tf.Variable(np.random.RandomState(1).rand(1024, 1024).astype(np.float32) / 1024)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            h = tf.matmul(x, w, name="wide")
+            big = tf.tile(h, [4, 1], name="big")            # 4 MiB, saved for the gradient
+            loss = tf.reduce_sum(tf.tanh(big, name="squash"))
+        return tape.gradient(loss, w)
+    return step
+
+
+def test_the_breakdown_explains_the_meters_peak():
+    step = _step()
+    measured = peak_memory(step)
+    breakdown = peak_breakdown(step)
+    assert breakdown.peak == measured
+    # What the call allocated and still holds at the peak is the peak, up to
+    # baseline tensors freed before it.
+    assert sum(row[2] for row in breakdown.live) >= breakdown.peak
+    sizes = {row[0]: row[2] for row in breakdown.live if row[0]}
+    assert sizes.get("big", 0) >= 4 * MIB and sizes.get("wide", 0) >= MIB
+    assert breakdown.live[0][2] == max(row[2] for row in breakdown.live)
+    assert "MiB above the baseline" in breakdown.summary()
+
+
+def test_a_session_step_and_bad_input():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.Variable(np.ones([512, 512], np.float32))
+        y = tf.reduce_sum(tf.exp(x, name="grown") * x)
+        grads = tf.gradients(y, [x])
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            step = session_step(sess, grads)
+            breakdown = peak_breakdown(step)
+            assert breakdown.peak == peak_memory(step)
+            assert any(row[0] == "grown" and row[2] >= MIB for row in breakdown.live)
+    with pytest.raises(TypeError, match="callable"):
+        peak_breakdown(3)
