@@ -53,7 +53,7 @@ def _choose_in_budget(graph, region, settings, loop):
     if loop is None:
         return _choose(graph, region, settings)
     try:
-        return _choose(graph, region, loop.planning(settings))
+        return _choose(graph, region, loop.planning(settings, graph))
     except BudgetError as error:
         loop.unfit(error)
         if not loop.takes_lowest():

@@ -83,13 +83,16 @@ class PeakBreakdown:
     allocator's region ('output', 'temp', ...), op and kind are None for
     buffers no op is named for: scratch some kernels allocate outside their
     op's annotation, and the buffers of XLA-compiled calls. ``unnamed``:
-    their bytes.
+    their bytes. ``scratch``: ``(op, bytes)`` over the whole call, largest
+    first: the most each op held at once beyond its outputs (its
+    temporaries; an unnamed buffer counts for the last op named before it).
     """
 
     peak: int
     at: object
     live: tuple
     unnamed: int
+    scratch: tuple = ()
 
     def summary(self, top=10):
         mib = 2 ** 20
@@ -119,25 +122,42 @@ def peak_breakdown(step, *args, device=None, warmup=1, **kwargs):
         raise TypeError("peak_breakdown needs a callable step, got %r" % (step,))
     for _ in range(warmup):
         step(*args, **kwargs)
+    return profiled_call(step, *args, device=device, **kwargs)[1]
+
+
+def profiled_call(step, *args, device=None, strict=True, **kwargs):
+    """``(step(*args, **kwargs), its PeakBreakdown)``: one call under the
+    profiler. Where the profiler cannot start or its trace has no allocations,
+    a RuntimeError, or with ``strict=False`` the step run without it and None
+    for the breakdown (logged)."""
     device = device or default_device()
     base = memory_info(device)["current"]
+
+    def unavailable(why):
+        if strict:
+            raise RuntimeError("memsave.profile: %s" % why)
+        logger.debug("memsave.profile: no breakdown: %s", why)
+
     with tempfile.TemporaryDirectory(prefix="memsave-profile-") as logdir:
-        tf.profiler.experimental.start(logdir)
         try:
-            step(*args, **kwargs)
+            tf.profiler.experimental.start(logdir)
+        except (tf.errors.OpError, RuntimeError) as e:
+            unavailable("the profiler did not start (%s)" % e)
+            return step(*args, **kwargs), None
+        try:
+            result = step(*args, **kwargs)
         finally:
             tf.profiler.experimental.stop()
         paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            raise RuntimeError("memsave.profile: the profiler wrote no trace in %s" % logdir)
         space = tf_internal.XSpace()
-        with open(paths[0], "rb") as f:
-            space.ParseFromString(f.read())
+        if paths:
+            with open(paths[0], "rb") as f:
+                space.ParseFromString(f.read())
     events = _allocation_events(space, device)
     if not events:
-        raise RuntimeError("memsave.profile: the trace has no allocations on %s; %s"
-                           % (device, ENV_HINT))
-    return _at_peak(events, base)
+        unavailable("the trace has no allocations on %s; %s" % (device, ENV_HINT))
+        return result, None
+    return result, _at_peak(events, base)
 
 
 def _allocator_of(device):
@@ -176,25 +196,38 @@ def _allocation_events(space, device):
 
 def _at_peak(events, base):
     """The :class:`PeakBreakdown` of allocator ``events`` above ``base`` bytes."""
-    live, peak, at, at_peak = {}, None, None, {}
+    live, peak, at, at_peak, named_last = {}, None, None, {}, None
+    scratch, most = collections.Counter(), collections.Counter()   # per op: now, at most
     for _, allocated, stats in events:
+        addr = stats["addr"]
         if allocated:
-            live[stats["addr"]] = (stats.get("tf_op") or None, stats.get("region_type") or None,
-                                   int(stats["allocation_bytes"]))
+            op, kind = stats.get("tf_op") or None, stats.get("region_type") or None
+            # An unnamed buffer is the scratch of the last op named before it.
+            owner = (op or named_last) if op is None or kind != "output" else None
+            live[addr] = (op, kind, int(stats["allocation_bytes"]), owner)
+            named_last = op or named_last
+            if owner is not None:
+                scratch[owner] += live[addr][2]
+                most[owner] = max(most[owner], scratch[owner])
         else:
-            live.pop(stats["addr"], None)   # allocated before the call: the baseline
+            gone = live.pop(addr, None)   # None: allocated before the call (the baseline)
+            if gone is not None and gone[3] is not None:
+                scratch[gone[3]] -= gone[2]
         in_use = int(stats["bytes_allocated"])
         if peak is None or in_use > peak:
             peak, at_peak = in_use, dict(live)
             at = (stats.get("tf_op") or None) if allocated else None
     grouped = collections.defaultdict(lambda: [0, 0])
-    for op, kind, nbytes in at_peak.values():
+    for op, kind, nbytes, _ in at_peak.values():
         grouped[(op, kind)][0] += nbytes
         grouped[(op, kind)][1] += 1
     rows = sorted(((op, kind, n, c) for (op, kind), (n, c) in grouped.items()),
                   key=lambda row: (-row[2], row[0] or "", row[1] or ""))
     unnamed = sum(n for op, _, n, _ in rows if op is None)
-    return PeakBreakdown(peak=max(0, peak - base), at=at, live=tuple(rows), unnamed=unnamed)
+    by_op = tuple(sorted(((op, n) for op, n in most.items() if n > 0 and op is not None),
+                         key=lambda item: (-item[1], item[0])))
+    return PeakBreakdown(peak=max(0, peak - base), at=at, live=tuple(rows), unnamed=unnamed,
+                         scratch=by_op)
 
 
 def session_step(session, fetches, feed_dict=None):

@@ -52,3 +52,30 @@ def test_a_session_step_and_bad_input():
             assert any(row[0] == "grown" and row[2] >= MIB for row in breakdown.live)
     with pytest.raises(TypeError, match="callable"):
         peak_breakdown(3)
+
+
+def _event(allocated, addr, nbytes, in_use, op=None, kind="output"):
+    stats = {"addr": addr, "allocation_bytes": nbytes, "bytes_allocated": in_use}
+    if op:
+        stats.update(tf_op=op, region_type=kind)
+    return (0, allocated, stats)
+
+
+def test_scratch_is_charged_to_its_op_or_to_the_last_op_named_before_it():
+    from memsave.profile import _at_peak   # pylint: disable=import-outside-toplevel
+    events = [
+        _event(True, 1, 10, 110, "grad/a_grad/Mul"),            # an output
+        _event(True, 2, 4, 114, "grad/a_grad/Mul", "temp"),     # its temporary
+        _event(False, 2, 4, 110),
+        _event(True, 3, 50, 160),                               # an XLA call's buffer
+        _event(True, 4, 6, 166),
+        _event(False, 3, 50, 116),
+        _event(False, 4, 6, 110),
+        _event(False, 9, 30, 80),                               # the baseline's, freed
+        _event(True, 5, 20, 100, "grad/b_grad/Tanh"),
+    ]
+    breakdown = _at_peak(events, base=100)
+    assert breakdown.peak == 66 and breakdown.at is None
+    assert breakdown.unnamed == 56
+    assert breakdown.scratch == (("grad/a_grad/Mul", 56),)
+    assert breakdown.live[0] == (None, None, 56, 2)

@@ -49,6 +49,11 @@ class TensorNode:
     are not activations, but TensorFlow holds all of a tensor's pieces until
     it sums them, so a weight that an unrolled RNN reads at every step costs
     one piece per step.
+
+    ``scratch_bytes``: what its producer's backward allocates beyond the
+    gradients it makes and frees when done (kernel scratch, an XLA-compiled
+    call's buffers). Only a measurement knows it: a byte budget's loop sets
+    it from a profiled step (see :mod:`memsave.budget`).
     """
 
     order: int
@@ -69,6 +74,7 @@ class TensorNode:
     split_gradient: bool = False
     input_read: bool = False
     grad_bytes: typing.Optional[int] = None
+    scratch_bytes: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -82,6 +88,9 @@ class TensorNode:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):
                 raise PlanGraphError("%s must be None or an int >= 0, got %r" % (name, value))
+        if (isinstance(self.scratch_bytes, bool) or not isinstance(self.scratch_bytes, int)
+                or self.scratch_bytes < 0):
+            raise PlanGraphError("scratch_bytes must be an int >= 0, got %r" % (self.scratch_bytes,))
         if isinstance(self.cost, bool) or not isinstance(self.cost, (int, float)) or self.cost < 0:
             raise PlanGraphError("cost must be a number >= 0, got %r" % (self.cost,))
         if self.x and (self.y or self.candidate or self.forced):

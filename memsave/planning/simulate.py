@@ -9,7 +9,9 @@ reverse topological order. During a segment, memory holds:
 - the segment's recomputed activations that some gradient reads
   (``saved``), each freed once the backward sweep passes its producer,
 - gradients in flight: the gradient of a tensor lives from when its first
-  consumer's backward produces it until its producer's backward consumes it.
+  consumer's backward produces it until its producer's backward consumes it,
+- during one backward op, the scratch it allocates (``scratch_bytes``, where
+  a measurement has set it).
 
 A matmul or convolution's gradient is two ops (``split_gradient``): the
 weight gradient reads the input activation, the input gradient does not.
@@ -44,7 +46,7 @@ from memsave.planning.rules import reducer_runs_first
 # estimate made with this Prepared: the candidate search simulates, costs
 # and grows the same kept sets several times.
 Prepared = collections.namedtuple(
-    "Prepared", "names index size saved preds ys forced early aliases pieces memo")
+    "Prepared", "names index size saved preds ys forced early aliases pieces scratch memo")
 
 
 def _freed_early(graph, names, size, saved, preds):
@@ -82,7 +84,9 @@ def prepare(graph):
     forced = {i for i, n in enumerate(names) if graph.nodes[n]["forced"]}
     early = _freed_early(graph, names, size, saved, preds)
     aliases, pieces = _gradient_pieces(graph, names, index)
-    return Prepared(names, index, size, saved, preds, ys, forced, early, aliases, pieces, {})
+    scratch = [graph.nodes[n]["scratch_bytes"] for n in names]
+    return Prepared(names, index, size, saved, preds, ys, forced, early, aliases, pieces,
+                    scratch, {})
 
 
 def _memo(p, kind, kept, make):
@@ -352,7 +356,7 @@ class _Backward:
             self.pending[root] += nbytes
             self.held += nbytes
         base = self._resident() + g + partials + self.swapped
-        self.peak = max(self.peak, base + self.held)
+        self.peak = max(self.peak, base + self.held + p.scratch[n])
         self._sum_pieces(n, base)
         if p.saved[n] and n not in self.freed:
             self.saved -= size[n]
