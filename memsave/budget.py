@@ -116,7 +116,7 @@ class Loop:
         self.replanned = False
         self.last_resort = False   # the replan measured over too: the lowest plan, once
         self.done = False
-        self.scratch = None        # (op name, bytes) at the first plan's measured peak
+        self.scratch = None        # [(op name, bytes)] the first plan's large scratch
         self._recalibrate = None   # (measured, kept names): the first plan, to re-estimate
 
     # -- planning side (called by memsave.planner while the step traces) --
@@ -308,17 +308,21 @@ _GRADIENT_SCOPES = re.compile(r"^(gradients(_\d+)?|gradient_tape|memsave_\d+)$")
 
 def forward_tensor(graph, op_name):
     """The planning graph's tensor whose backward (or recomputation) runs the op
-    ``op_name`` ('gradients/memsave_0/block/ln/mul_grad/Mul' -> 'block/ln/mul:0'),
-    or None."""
+    ``op_name`` ('gradients/memsave_0/block/ln/mul_grad/Mul' -> 'block/ln/mul:0',
+    'gradient_tape/block/ln/mul/Mul' -> the same), or None."""
     parts = op_name.split("/")
     while parts and _GRADIENT_SCOPES.match(parts[0]):
         parts.pop(0)
     for i, part in enumerate(parts):
-        if part.endswith("_grad"):
-            parts = parts[:i] + [part[:-len("_grad")]]
-            break
-    name = "/".join(parts) + ":0"
-    return name if parts and graph.has_node(name) else None
+        if part.endswith("_grad"):   # tf.gradients: 'fwd_grad/op'
+            name = "/".join(parts[:i] + [part[:-len("_grad")]]) + ":0"
+            return name if graph.has_node(name) else None
+    # The tape names a gradient op 'gradient_tape/fwd/op': the longest prefix.
+    for end in range(len(parts), 0, -1):
+        name = "/".join(parts[:end]) + ":0"
+        if graph.has_node(name):
+            return name
+    return None
 
 
 def runs_estimate(plan):
