@@ -289,7 +289,8 @@ class _Rewrite:
 
     def run_segment(self, boundary, seeds, grads):
         """Copy the ops behind ``seeds`` and differentiate ``boundary``'s copy."""
-        copies, swapped, barred, read_as = self._copy_segment(seeds)
+        own = [t for t in boundary if t.ref() in self.stop]
+        copies, swapped, barred, read_as = self._copy_segment(seeds, own)
         reads = _segment_reads(copies, boundary, self.stop, read_as, self.region.ops)
         owners = [owner for owner, _ in reads.checkpoints]
         read_cp = [t for _, t in reads.checkpoints]
@@ -297,7 +298,8 @@ class _Rewrite:
         targets = read_cp + asked_x
         if not targets:
             return
-        grads_out = self._differentiate(copies, boundary, grads, targets, read_cp, barred)
+        grads_out = self._differentiate(copies, boundary, grads, targets, read_cp, barred,
+                                        _own_values(own, read_as))
         if self.swapper is not None:
             self.swapper.used(swapped)
         for t, g in zip(owners, grads_out):
@@ -308,9 +310,12 @@ class _Rewrite:
                      "%d x(s)", self.segment - 1, len(copies.of), len(read_cp), len(asked_x))
         self._hand_on()
 
-    def _copy_segment(self, seeds):
+    def _copy_segment(self, seeds, own=()):
         """Copy the ops behind ``seeds``, waiting for ``self.wait``; checkpoints are
         read through their shields, swap-ins and (``barriers``) XLA barriers.
+        ``own``: the checkpoints the segment differentiates (their gradients
+        may read them: an offloaded one is swapped in too, and the swap-in
+        only runs if a gradient reads it).
         Returns (copies, swapped-in, barred, every substitute read)."""
         ledger = self.ledger
         ledger.segment()
@@ -322,9 +327,9 @@ class _Rewrite:
         ordered = sorted(ops, key=tf_internal.op_id)
         swapped = {}
         if self.swapper is not None:
-            swapped = self.swapper.swap_in(
-                {t.ref(): t for op in ordered for t in op.inputs if t.ref() in self.stop},
-                self.wait)
+            reads = {t.ref(): t for op in ordered for t in op.inputs if t.ref() in self.stop}
+            reads.update((t.ref(), t) for t in own)
+            swapped = self.swapper.swap_in(reads, self.wait)
             ledger.inserted(swapped.values())
         read_as = {**self.shields, **swapped}
         barred = {}
@@ -346,10 +351,11 @@ class _Rewrite:
         in_boundary = {id(b) for b in boundary}
         return [x for x, ref in self.leaf_refs if ref in asked or id(x) in in_boundary]
 
-    def _differentiate(self, copies, boundary, grads, targets, read_cp, barred):
+    def _differentiate(self, copies, boundary, grads, targets, read_cp, barred, own_values):
         """TensorFlow's gradients of ``boundary``'s copy w.r.t. ``targets``,
-        recorded for the audit; the gradient ops it makes read the copies and
-        run their reducers first."""
+        recorded for the audit; the gradient ops it makes read the copies
+        (and, for the checkpoints in ``own_values``, the kept values rather
+        than their copies), and run their reducers first."""
         graph = self.region.graph
         stops = _segment_stops(read_cp, self.user_stops, copies, barred)
         existing = graph.get_operations()
@@ -361,6 +367,7 @@ class _Rewrite:
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
         made_now = graph.get_operations()[before:]
         _read_copies(made_now, copies.of)
+        _read_kept(made_now, copies, own_values)
         reducers_first(made_now)
         return grads_out
 
@@ -476,6 +483,37 @@ def _read_copies(grad_ops, copies):
                 moved += 1
     if moved:
         logger.debug("memsave: %d gradient input(s) read a forward original; now its copy", moved)
+
+
+def _own_values(own, read_as):
+    """``{checkpoint ref: the tensor that holds its kept value}`` for the
+    checkpoints a segment differentiates: the checkpoint, its shield or its
+    swap-in."""
+    return {t.ref(): read_as.get(t.ref(), t) for t in own}
+
+
+def _read_kept(grad_ops, copies, own_values):
+    """Point ``grad_ops`` at the kept value wherever they read the copy of a
+    checkpoint their segment differentiates.
+
+    A gradient that reads its op's output (tanh, relu, softmax) would read
+    the copy, and recomputing the copy recomputes what lies below it: the
+    GELU's whole chain under a kept tanh, the attention scores' matmul
+    under a kept softmax. The kept value is the same (only ops whose values
+    cannot change are copied), so the copy is left unread and never runs.
+    """
+    kept_of = {}
+    for ref, value in own_values.items():
+        copy = copies.of.get(ref.deref().op)
+        if copy is not None:
+            kept_of[copy.outputs[ref.deref().value_index].ref()] = value
+    if not kept_of:
+        return
+    for op in grad_ops:
+        for i, t in enumerate(op.inputs):
+            value = kept_of.get(t.ref())
+            if value is not None:
+                tf_internal.update_input(op, i, value)
 
 
 def _shields(region, checkpoints):

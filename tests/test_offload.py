@@ -137,9 +137,11 @@ def test_swap_in_without_ahead_waits_for_previous_gradients():
             assert op.control_inputs
 
 
-@pytest.mark.parametrize("groupby,expected", [(0, 2), (10**6, 1)])
+@pytest.mark.parametrize("groupby,expected", [(0, 3), (10**6, 1)])
 def test_swap_ins_grouped_by_distance(groupby, expected):
-    """A tensor read by two segments far apart: one swap-in each, or one shared."""
+    """A tensor read by segments far apart (the top, the one above it, and its
+    own, whose tanh gradient reads the kept value): one swap-in each, or one
+    shared."""
     graph = tf.Graph()
     with graph.as_default(), tf.device(GPU):
         rng = np.random.RandomState(1)

@@ -190,7 +190,9 @@ def test_max_recompute_caps_the_recomputed_work():
                 for c in (0.0, 0.3, 1.0)]
         for cap, p in zip((0.0, 0.3, 1.0), caps):
             assert p.recompute_fraction <= cap + 1e-9, p.summary()
-            assert p.estimated_peak_bytes >= free.estimated_peak_bytes
+        # The tight cap costs memory; a loose one may find a plan estimated
+        # a little below the default's (caps also try blends, see _blends).
+        assert caps[1].estimated_peak_bytes >= free.estimated_peak_bytes
         assert caps[0].kept == [] and caps[0].estimated_peak_bytes == caps[0].plain_peak_bytes
         assert caps[2].estimated_peak_bytes <= caps[1].estimated_peak_bytes
         grads = memsave.gradients(loss, ws, checkpoints="optimal", max_recompute=0.3)

@@ -13,6 +13,7 @@ import importlib
 import re
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memsave
@@ -153,3 +154,94 @@ def test_gelu_keeps_no_power_nor_constant_products():
     # constant; tests/test_memory.py measures what that does to the peak).
     assert kinds["Pow"] == 0, kinds
     assert kinds["Tanh"] == 4, kinds
+
+
+def test_einsum_cost_counts_the_contracted_axes():
+    """An einsum's FLOPs are 2 x output elements x its contracted axes
+    (attention scores 'bqhd,bkhd->bhqk' multiply over d), not one per element."""
+    with tf.Graph().as_default():
+        q, k = tf.zeros([2, 16, 4, 8]), tf.zeros([2, 32, 4, 8])
+        scores = tf.einsum("bqhd,bkhd->bhqk", q, k)
+        proj = tf.einsum("...c,cd->...d", tf.zeros([2, 16, 24]), tf.zeros([24, 10]))
+        outer = tf.einsum("i,j->ij", tf.zeros([5]), tf.zeros([7]))
+    moved = FLOPS_PER_BYTE * 4 * (2 * 16 * 4 * 8 + 2 * 32 * 4 * 8 + 2 * 4 * 16 * 32)
+    assert op_cost(scores.op) == 2 * (2 * 4 * 16 * 32) * 8 + moved
+    assert op_cost(proj.op) == 2 * (2 * 16 * 10) * 24 + FLOPS_PER_BYTE * 4 * (
+        2 * 16 * 24 + 24 * 10 + 2 * 16 * 10)
+    assert op_cost(outer.op) == 2 * 35 + FLOPS_PER_BYTE * 4 * (5 + 7 + 35)
+
+
+def _attention(seq=64, width=32, heads=2, layers=2):
+    """Two pre-LN self-attention blocks (einsum scores, softmax, GELU MLP)
+    in a tf.Graph: ``(graph, loss, weights)``."""
+    rng = np.random.RandomState(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        h = tf.constant(rng.randn(2, seq, width).astype(np.float32), name="x")
+        weights = []
+        for i in range(layers):
+            wq, wk, wv, w1, w2 = [
+                tf.Variable(rng.randn(*s).astype(np.float32) * 0.2, name="l%d_%s" % (i, n))
+                for n, s in (("q", (width, heads, width // heads)),
+                             ("k", (width, heads, width // heads)),
+                             ("v", (width, heads, width // heads)),
+                             ("up", (width, 4 * width)), ("down", (4 * width, width)))]
+            weights += [wq, wk, wv, w1, w2]
+            x = tf.nn.l2_normalize(h, axis=-1)
+            q, k, v = (tf.einsum("bsc,chd->bshd", x, w) for w in (wq, wk, wv))
+            scores = tf.einsum("bqhd,bkhd->bhqk", q, k, name="l%d_scores" % i)
+            probs = tf.nn.softmax(scores * (width // heads) ** -0.5, name="l%d_probs" % i)
+            out = tf.einsum("bhqk,bkhd->bqhd", probs, v, name="l%d_context" % i)
+            h = h + tf.reshape(out, [2, seq, width])
+            h = h + tf.matmul(tf.nn.gelu(tf.matmul(h, w1), approximate=True), w2)
+        loss = tf.reduce_sum(h * h)
+    return graph, loss, weights
+
+
+def _copies_that_run(fetches):
+    """{original op name: copies} of memsave's copies that ``fetches`` need
+    (through data and control inputs): the ones a step runs."""
+    seen, stack = set(), [t.op if hasattr(t, "op") else t for t in fetches]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    out = collections.Counter()
+    for op in seen:
+        m = re.match(r"memsave_\d+/(.*)", op.name)
+        if m and "/gradients" not in op.name and not op.name.endswith("memsave_gate"):
+            out[m.group(1)] += 1
+    return out
+
+
+def test_recompute_cost_counts_the_copies_that_run():
+    """Recomputing attention's softmax runs the scores' einsum, not the
+    einsum of the probabilities with the values above it (its gradient reads
+    its inputs, which are recomputed or kept): the estimate counts the
+    copies the step needs, each as often as it is made."""
+    graph, loss, weights = _attention()
+    box = {}
+
+    def softmax_recomputed(plan_graph):
+        kept = [n for n, d in plan_graph.nodes(data=True)
+                if d["candidate"] and d["saved"] and "probs" not in n]
+        box.update(graph=plan_graph, cost=simulate.recompute_cost(plan_graph, kept))
+        return kept
+
+    with graph.as_default():
+        grads = memsave.gradients(loss, weights, checkpoints=softmax_recomputed)
+        want = tf.gradients(loss, weights)
+        ran = _copies_that_run(grads)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run([grads, want])
+    scale = max(np.abs(w).max() for w in want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
+    assert {n for n in ran if "_scores" in n} == {"l0_scores/Einsum", "l1_scores/Einsum"}, ran
+    assert not any("context" in n for n in ran), ran
+    cost = {n.split(":")[0]: d["cost"] for n, d in box["graph"].nodes(data=True)}
+    assert sum(cost[n] * c for n, c in ran.items()) == pytest.approx(box["cost"], rel=1e-9)

@@ -201,11 +201,36 @@ def _flops(op, shape_of):
                 kernel = num_elements(w[:-1]) if op.type != "DepthwiseConv2dNative" else num_elements(w[:-2])
                 return 2.0 * out * (kernel or 1)
         if op.type == "Einsum":
-            ins = sum((num_elements(shape_of(t)) or 1) for t in op.inputs)
-            return 2.0 * max(out, ins)
+            return 2.0 * out * _einsum_contracted(op, shape_of)
     except (ValueError, TypeError, IndexError):
         pass
     return float(out)
+
+
+def _einsum_contracted(op, shape_of):
+    """The product of an einsum's contracted axes (in an input, not in the
+    output): its FLOPs are 2 x output elements x that ('bqhd,bkhd->bhqk'
+    multiplies over d). Unknown sizes count as 1."""
+    equation = op.get_attr("equation")
+    equation = equation.decode() if isinstance(equation, bytes) else equation
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    sizes = {}
+    for spec, t in zip(inputs.split(","), op.inputs):
+        shape = shape_of(t)
+        if shape.rank is None:
+            continue
+        dims = shape.as_list()
+        if "..." in spec:   # the ellipsis' axes are batch axes, never contracted
+            head, tail = spec.split("...")
+            dims = dims[:len(head)] + (dims[len(dims) - len(tail):] if tail else [])
+            spec = head + tail
+        for letter, d in zip(spec, dims):
+            if d is not None:
+                sizes[letter] = max(sizes.get(letter, 1), d)
+    contracted = 1
+    for letter in set(inputs.replace(",", "").replace(".", "")) - set(output):
+        contracted *= sizes.get(letter, 1)
+    return contracted
 
 
 def _custom_gradient_args(op, region):

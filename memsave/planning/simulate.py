@@ -46,7 +46,8 @@ from memsave.planning.rules import reducer_runs_first
 # estimate made with this Prepared: the candidate search simulates, costs
 # and grows the same kept sets several times.
 Prepared = collections.namedtuple(
-    "Prepared", "names index size saved preds ys forced early aliases pieces scratch memo")
+    "Prepared",
+    "names index size saved reads_output preds ys forced early aliases pieces scratch memo")
 
 
 def _freed_early(graph, names, size, saved, preds):
@@ -79,14 +80,15 @@ def prepare(graph):
     index = {n: i for i, n in enumerate(names)}
     size = [node_bytes(graph, n) for n in names]
     saved = [graph.nodes[n]["saved"] for n in names]
+    reads_output = [graph.nodes[n]["grad_reads_output"] for n in names]
     preds = [[index[p] for p in graph.predecessors(n) if p in index] for n in names]
     ys = [i for i, n in enumerate(names) if graph.nodes[n]["y"]]
     forced = {i for i, n in enumerate(names) if graph.nodes[n]["forced"]}
     early = _freed_early(graph, names, size, saved, preds)
     aliases, pieces = _gradient_pieces(graph, names, index)
     scratch = [graph.nodes[n]["scratch_bytes"] for n in names]
-    return Prepared(names, index, size, saved, preds, ys, forced, early, aliases, pieces,
-                    scratch, {})
+    return Prepared(names, index, size, saved, reads_output, preds, ys, forced, early, aliases,
+                    pieces, scratch, {})
 
 
 def _memo(p, kind, kept, make):
@@ -213,11 +215,16 @@ def _rewrite_segments(p, kept):
 def recompute_cost(graph, kept, prepared=None):
     """Work (``TensorNode.cost``) that the rewrite recomputes keeping ``kept``.
 
-    Every unkept node a segment copies runs once per segment that copies it.
-    A kept node's own copy runs only when its gradient reads its output
-    (tanh, relu); a matmul's or convolution's never does. Variable reads are
-    never copied. (With nothing kept and nothing forced, memsave runs plain
-    backprop instead, which recomputes nothing; callers check that case.)
+    A segment's copies run only where its gradients read them: an unkept
+    copy that some gradient reads (``saved``), and every copy those are
+    computed from. The rest are made but never run (TensorFlow prunes what
+    no fetch needs): recomputing attention's softmax runs the scores'
+    matmul, not the matmul of the probabilities with the values above it,
+    and a kept tensor's gradient reads the kept value, not a copy (see
+    ``memsave.rewrite``). A copy runs once per segment that makes it. Variable
+    reads are never copied. (With nothing kept and nothing forced, memsave
+    runs plain backprop instead, which recomputes nothing; callers check
+    that case.)
     """
     p = prepared or prepare(graph)
     idx = kept_indices(p, kept)
@@ -228,14 +235,22 @@ def _recompute_cost(graph, p, idx):
     nodes = graph.nodes
     total = 0.0
     for members in rewrite_segments(p, idx):
-        for n in members:
-            data = nodes[p.names[n]]
-            if n in p.aliases or n in p.forced:
-                continue
-            if n in idx and not data["grad_reads_output"]:
-                continue
-            total += data["cost"]
+        for n in _copies_that_run(graph, p, members, idx):
+            total += nodes[p.names[n]]["cost"]
     return total
+
+
+def _copies_that_run(graph, p, members, idx):
+    """The ``members`` of one segment whose copies run (see :func:`recompute_cost`)."""
+    stack = [n for n in members if n not in idx and p.saved[n]]
+    run = set()
+    while stack:
+        n = stack.pop()
+        if n in run or n in p.aliases or n in p.forced:
+            continue
+        run.add(n)
+        stack.extend(q for q in p.preds[n] if q in members and q not in idx)
+    return run
 
 
 def shared_recomputation(graph, kept, prepared=None):
@@ -277,7 +292,10 @@ def _simulate(p, kept, off, prefetch, early_free):
     segments = _segments(p, kept)
 
     readers = collections.Counter()
-    reads = [touched for _, _, touched in segments]
+    # A kept node whose gradient reads its output reads the kept value in its
+    # own segment (see memsave.rewrite): it lives until then.
+    reads = [touched | {b for b in boundary if b in kept and p.reads_output[b]}
+             for boundary, _, touched in segments]
     for touched in reads:
         readers.update(touched)
     # Device bytes swapped in per segment: all of them while its forward is
@@ -326,7 +344,8 @@ class _Backward:
         """Recompute ``members`` (peak with the segment's swap-ins), then run
         their backward ops last first; ``ahead``: the next segment's swap-ins."""
         p, size, kept = self.p, self.p.size, self.kept
-        self.saved = sum(size[n] for n in members if p.saved[n])
+        # Kept members are not recomputed: their gradients read the kept value.
+        self.saved = sum(size[n] for n in members if p.saved[n] and n not in kept)
         self.flight = {b: (self.grad_sums.pop(b, size[b]) if b in kept else size[b])
                        for b in boundary}
         self.in_flight = sum(self.flight.values())
@@ -358,7 +377,7 @@ class _Backward:
         base = self._resident() + g + partials + self.swapped
         self.peak = max(self.peak, base + self.held + p.scratch[n])
         self._sum_pieces(n, base)
-        if p.saved[n] and n not in self.freed:
+        if p.saved[n] and n not in self.freed and n not in self.kept:
             self.saved -= size[n]
 
     def _input_gradients(self, n):
