@@ -113,19 +113,53 @@ def _kept(nodes, last_use, candidate, cuts):
 
 def _selective(graph, prepared, cap=None, limit=None, forced=()):
     """Kept sets that keep every candidate but the cheapest to recompute per
-    byte: as many of those dropped as ``cap`` allows, or as few as make the
-    estimated peak fit ``limit`` (a budget: the least recomputation that fits).
-
-    Elementwise outputs (layer norm, GELU, softmax: a few FLOP-equivalents
-    per byte) go first, then matmuls over short inner dimensions (attention
-    scores), as Megatron-LM's selective recomputation does; what several
-    segments would each recompute is kept again (:func:`recompute_once`).
-    The count dropped is binary-searched (under a cap, a few smaller counts
-    compete on the peak estimate).
+    byte, each by its own cost: elementwise outputs (layer norm, GELU,
+    softmax: a few FLOP-equivalents per byte) go first, then matmuls over
+    short inner dimensions (attention scores). See :func:`_dropped_in_order`.
     """
     nodes = graph.nodes
     order = sorted((n for n, d in nodes(data=True) if d["candidate"]),
                    key=lambda n: nodes[n]["cost"] / max(node_bytes(graph, n), 1))
+    return _dropped_in_order(graph, prepared, order, cap, limit, forced)
+
+
+def _cheapest_of_plain(graph, prepared, cap=None, limit=None, forced=()):
+    """Kept sets that keep what plain backprop keeps (the candidates some
+    gradient reads), less the bytes cheapest to recompute.
+
+    Each is priced by what dropping it alone recomputes: itself and what it
+    is computed from down to what plain keeps. A GELU's intermediates cost
+    a few elementwise ops on the kept matmul output; attention's softmax
+    costs the scores' matmul too, which is cheap per byte where the
+    sequence is long for the width (Megatron-LM's selective recomputation,
+    found from costs). See :func:`_dropped_in_order`.
+    """
+    nodes, index, preds = graph.nodes, prepared.index, prepared.preds
+    saved = [n for n, d in nodes(data=True) if d["candidate"] and d["saved"]]
+    base = {index[n] for n in saved} | prepared.forced | set(prepared.aliases)
+    cost = [nodes[n]["cost"] for n in prepared.names]
+
+    def dropping(n):
+        seen, stack = set(), [index[n]]
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(q for q in preds[i] if q not in base)
+        return sum(cost[i] for i in seen) / max(node_bytes(graph, n), 1)
+
+    order = sorted(saved, key=dropping)
+    return _dropped_in_order(graph, prepared, order, cap, limit, forced)
+
+
+def _dropped_in_order(graph, prepared, order, cap, limit, forced):
+    """Kept sets that keep ``order`` (candidates, cheapest to drop first) less
+    a prefix of it: as many dropped as ``cap`` allows, or as few as make the
+    estimated peak fit ``limit`` (a budget: the least recomputation that
+    fits). What several segments would each recompute is kept again
+    (:func:`recompute_once`). The count dropped is binary-searched (under a
+    cap, a few smaller counts compete on the peak estimate).
+    """
     made = {}
 
     def kept_after(count):
@@ -324,10 +358,11 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fas
         # between them (selective recomputation) is what a tight cap allows,
         # and often the least recomputation that fits a budget.
         kept_sets.append(fast)
-    if cap is not None:
-        kept_sets += _selective(graph, prepared, cap=cap)
-    if limit is not None:
-        kept_sets += _selective(graph, prepared, limit=limit, forced=forced)
+    for selective in (_selective, _cheapest_of_plain):
+        if cap is not None:
+            kept_sets += selective(graph, prepared, cap=cap)
+        if limit is not None:
+            kept_sets += selective(graph, prepared, limit=limit, forced=forced)
     return kept_sets
 
 
