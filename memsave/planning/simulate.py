@@ -306,11 +306,14 @@ def _simulate(p, kept, off, prefetch, early_free):
              for cur, nxt in zip(reads, reads[1:] + [set()])]
 
     sim = _Backward(p, kept, off, early_free)
-    for i, (boundary, members, touched) in enumerate(segments):
+    for i, (boundary, members, _) in enumerate(segments):
+        # Kept boundary nodes read last by their own gradient: freed by it.
+        sim.own = {b for b in boundary if b in kept and p.reads_output[b] and readers[b] == 1
+                   and b not in off}
         sim.segment(boundary, members, swap_fwd[i], swap_bwd[i], ahead[i])
-        for k in touched:
+        for k in reads[i]:
             readers[k] -= 1
-            if readers[k] == 0 and k not in off:
+            if readers[k] == 0 and k not in off and k not in sim.own:
                 sim.alive_kept -= size[k]
     return int(sim.peak)
 
@@ -332,6 +335,7 @@ class _Backward:
         self.freed = set()
         self.peak = self.alive_kept
         self.held, self.totals = 0, set()
+        self.own = set()   # kept nodes the current segment frees at their own backward
         # The current segment's (see segment()).
         self.saved = self.in_flight = self.sums = self.swapped = 0
         self.flight, self.left, self.pending = {}, collections.Counter(), collections.Counter()
@@ -379,6 +383,8 @@ class _Backward:
         self._sum_pieces(n, base)
         if p.saved[n] and n not in self.freed and n not in self.kept:
             self.saved -= size[n]
+        if n in self.own:
+            self.alive_kept -= size[n]
 
     def _input_gradients(self, n):
         """Allocate the gradients ``n``'s backward makes for its inputs; returns
