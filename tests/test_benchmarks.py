@@ -71,15 +71,17 @@ def test_zoo_benchmark_quick(tmp_path):
         assert row.get("error") or row["peak_median"] > 0
     rows = {r["config"]: r for r in data["summary"]}
     # Which rows ran memsave's rewrite is read from memsave's own log: the
-    # default rewrites GPT2; no plan recomputes under 10% of a forward pass.
+    # default rewrites GPT2, and so does a cap of 10% of a forward pass (what
+    # plain keeps less the GELUs' intermediates, recomputed).
     assert not rows["plain"]["fell_back"] and not rows["optimal (default)"]["fell_back"]
-    assert rows["optimal, max_recompute=0.1"]["fell_back"]
+    assert not rows["optimal, max_recompute=0.1"]["fell_back"]
     # A byte budget, 0.7 x plain's measured peak, kept on the allocator.
     kept = rows["budget 0.7 × plain"]
     assert kept["held"] == 1 and kept["replans"] <= 1
     assert (tmp_path / "zoo_quick.png").stat().st_size > 10_000
     assert "| GPT2" in stdout
-    assert "| rewritten |" in stdout and "| plain (fallback) |" in stdout
+    assert "| rewritten |" in stdout
+    assert ("| plain (fallback) |" in stdout) == any(r.get("fell_back") for r in rows.values())
 
 
 def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):

@@ -125,7 +125,8 @@ def _selective(graph, prepared, cap=None, limit=None, forced=()):
 
 def _cheapest_of_plain(graph, prepared, cap=None, limit=None, forced=()):
     """Kept sets that keep what plain backprop keeps (the candidates some
-    gradient reads), less the bytes cheapest to recompute.
+    gradient reads), less the bytes cheapest to recompute (for caps: see
+    :func:`_candidate_kept_sets` on budgets).
 
     Each is priced by what dropping it alone recomputes: itself and what it
     is computed from down to what plain keeps. A GELU's intermediates cost
@@ -358,11 +359,14 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fas
         # between them (selective recomputation) is what a tight cap allows,
         # and often the least recomputation that fits a budget.
         kept_sets.append(fast)
-    for selective in (_selective, _cheapest_of_plain):
-        if cap is not None:
-            kept_sets += selective(graph, prepared, cap=cap)
-        if limit is not None:
-            kept_sets += selective(graph, prepared, limit=limit, forced=forced)
+    if cap is not None:
+        kept_sets += _selective(graph, prepared, cap=cap)
+        kept_sets += _cheapest_of_plain(graph, prepared, cap=cap)
+    if limit is not None:
+        # (Not what plain keeps less the cheapest: such plans keep many
+        # tensors and little is recomputed, where the estimate runs low.
+        # BERT's, at 27.8 MiB, measured 38.5 against a 39.9 MiB budget.)
+        kept_sets += _selective(graph, prepared, limit=limit, forced=forced)
     return kept_sets
 
 
