@@ -335,7 +335,7 @@ class _Rewrite:
         barred = {}
         if self.barriers:
             barred = _barred_reads(ordered, self.stop, read_as, self.region, self.wait,
-                                   self.segment)
+                                   self.segment, own)
             ledger.inserted(barred.values())
             read_as.update(barred)
         copies = copy_ops(ops, replace=read_as, wait_for=self.wait,
@@ -551,12 +551,13 @@ def _dense_part(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
-def _barred_reads(ordered, stop, read_as, region, wait_for, segment):
+def _barred_reads(ordered, stop, read_as, region, wait_for, segment, own=()):
     """``{ref: barrier output}`` for the float tensors the segment's ops
     (``ordered``, in creation order) read from outside.
 
-    Checkpoints and float tensors computed outside the region (the batch)
-    go through one barrier together with the float ones of ``wait_for``
+    Checkpoints (``own`` too: the segment's gradients may read them) and
+    float tensors computed outside the region (the batch) go through one
+    barrier together with the float ones of ``wait_for``
     (the gradients the segment waits for), which orders the recomputation
     after them. XLA's barrier takes no ``variant`` (the gradient of a
     loop's TensorList). Others are read as they are: integers may be shapes XLA needs as compile-time
@@ -574,6 +575,9 @@ def _barred_reads(ordered, stop, read_as, region, wait_for, segment):
             if t.ref() in stop or (t.op not in region.ops and t.ref() not in xs
                                    and t.op.type != "Const"):
                 reads[t.ref()] = read_as.get(t.ref(), t)
+    for t in own:
+        if t.dtype.is_floating:
+            reads.setdefault(t.ref(), read_as.get(t.ref(), t))
     if not reads:
         return {}
     waits = [t for t in wait_for if t.dtype.is_floating or t.dtype.is_complex]
