@@ -63,11 +63,12 @@ BUDGET_ROWS = tuple(label for label, _, _ in CONFIGS if label.startswith("budget
 # (batch, image side) per model: activations outweigh weights. ResNet50's
 # weight gradients (about 90 MiB, held to the end of every plan) were a
 # third of plain's peak at batch 8; at 32 they are under a tenth.
-# For GPT2 and BERT the second figure is the sequence length (None: 128).
+# For GPT2 and BERT the second figure is the sequence length (None: 128);
+# 'x768' is GPT-2 small's width (768 hidden, 12 heads) instead of 256.
 SIZES = {"ResNet50": (32, 128), "DenseNet121": (8, 128), "MobileNetV2": (16, 128),
          "EfficientNetB0": (8, 128), "ConvNeXtTiny": (8, 128), "GPT2": (8, None),
          "BERT": (8, None), "ResNet50@224": (32, 224), "GPT2@1024": (4, 1024),
-         "BERT@1024": (4, 1024)}
+         "BERT@1024": (4, 1024), "GPT2@1024x768": (2, 1024), "BERT@1024x768": (2, 1024)}
 QUICK_SIZES = {name: (max(2, b // 4), s and s // 2) for name, (b, s) in SIZES.items()}
 MODELS = tuple(SIZES)
 # ResNet50 at ImageNet's resolution too, where its weight gradients are 3% of
@@ -76,16 +77,25 @@ MODELS = tuple(SIZES)
 ONLY = {"ResNet50@224": ("plain", "plain again", "optimal (default)",
                          "budget 0.5 × plain")}
 # GPT2 and BERT at 1,024 tokens, where attention scores (tokens² per head)
-# dominate: the default, the cheap regime and the budgets.
+# dominate: the default, the cheap regime and the budgets; at GPT-2 small's
+# width, the default and the cheap regime.
 for _key in ("GPT2@1024", "BERT@1024"):
     ONLY[_key] = ("plain", "plain again", "optimal (default)", "optimal, max_recompute=0.05",
                   "optimal, max_recompute=0.1", "optimal, max_recompute=0.3",
                   "optimal, max_recompute=0.5") + BUDGET_ROWS
+for _key in ("GPT2@1024x768", "BERT@1024x768"):
+    ONLY[_key] = ("plain", "plain again", "optimal (default)", "optimal, max_recompute=0.05",
+                  "optimal, max_recompute=0.1", "optimal, max_recompute=0.3")
 
 
 def model_name(key):
     """The model a zoo entry builds ('ResNet50@224' is ResNet50 at 224 px)."""
     return key.split("@")[0]
+
+
+def width(key):
+    """A transformer entry's hidden size ('GPT2@1024x768': 768; else 256)."""
+    return int(key.rsplit("x", 1)[1]) if "@" in key and "x" in key.split("@")[1] else 256
 
 
 def configs(key, only=None):
@@ -95,20 +105,22 @@ def configs(key, only=None):
             and (wanted is None or c[0] in wanted)]
 
 
-def _build(name, batch, size):
+def _build(key, batch, size):
     import keras  # pylint: disable=import-outside-toplevel
     from benchmarks.zoo_models import APPLICATIONS, build  # pylint: disable=C0415
-    name = model_name(name)
+    name = model_name(key)
     if name in APPLICATIONS:
         return build(name, batch, dtype="float32", size=size)
-    # The transformers: 4 layers, hidden 256, 128 tokens unless ``size`` says.
+    # The transformers: 4 layers, hidden 256 (64 per head) unless the key
+    # says, 128 tokens unless ``size`` says.
     import keras_hub  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
-    seq = size or 128
-    config = dict(vocabulary_size=1000, num_layers=4, num_heads=4, hidden_dim=256,
-                  intermediate_dim=1024, max_sequence_length=seq, dropout=0.0)
+    seq, hidden = size or 128, width(key)
+    config = dict(vocabulary_size=1000, num_layers=4, num_heads=hidden // 64,
+                  hidden_dim=hidden, intermediate_dim=4 * hidden, max_sequence_length=seq,
+                  dropout=0.0)
     ids = rng.randint(0, 1000, (batch, seq)).astype("int32")
     tokens, mask = keras.Input((seq,), dtype="int32"), keras.Input((seq,), dtype="int32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -167,11 +179,14 @@ def child(name, quick, pairs, only=None):
         said.lines.clear()
         reset_warnings()  # the tape's fallback warnings are once-only: say them per config
         try:
-            first = timed(step)
-            calls = 1
+            calls = [timed(step)]   # the first traces
+            retraced, traced = [], {id(getattr(step, "_step", step))}
             while budget and not step.loop.done:   # measured, replanned (see memsave.budget)
-                first += timed(step)
-                calls += 1
+                fresh = id(step._step) not in traced   # pylint: disable=protected-access
+                traced.add(id(step._step))   # pylint: disable=protected-access
+                calls.append(timed(step))
+                if fresh:
+                    retraced.append(calls[-1])
         except (memsave.NoBottleneckError, ValueError) as e:
             rows.append(dict(model=name, config=label, error=error_line(e)))
             continue
@@ -179,9 +194,12 @@ def child(name, quick, pairs, only=None):
         steps[label] = step
         row = dict(model=name, config=label, batch=batch, size=size,
                    fell_back=checkpoints is not None and said.fell_back(),
-                   build_s=max(0.0, first - calls * once), peak_mib=peak_memory(step) / MIB)
+                   build_s=max(0.0, calls[0] - once), peak_mib=peak_memory(step) / MIB)
         if budget:
-            row.update(budget_mib=budget / MIB, replans=step.loop.replans)
+            # Each replan traces again: its build apart from the first's, and
+            # the measured (and once profiled) calls between them left out.
+            row.update(budget_mib=budget / MIB, replans=step.loop.replans,
+                       replan_build_s=sum(max(0.0, t - once) for t in retraced))
         rows.append(row)
     plain = steps["plain"]
     for row in rows:
@@ -244,6 +262,8 @@ def _summary(runs):
                         peak_max=peaks[-1], processes=len(ok),
                         time_ratio=statistics.median(ratios) if ratios else 1.0,
                         build_s=statistics.median(r["build_s"] for r in ok),
+                        replan_build_s=statistics.median(r.get("replan_build_s", 0.0)
+                                                         for r in ok),
                         fell_back=any(r.get("fell_back") for r in ok), **_budget_summary(ok)))
     return out
 
@@ -265,8 +285,8 @@ def markdown(summary, machine):
              "%s. Peak: MiB above the pre-step baseline, min / median / max over processes; "
              "'vs plain': median against plain's median; time: median of alternating pairs "
              "against plain (the 'plain again' row is the noise floor); build: trace, plan "
-             "and rewrite, seconds, and against plain's trace (budget rows trace twice when "
-             "they replan); gradients: 'rewritten' (memsave's plan ran) or "
+             "and rewrite, seconds, and against plain's trace (budget rows: the first "
+             "trace + the replans' traces); gradients: 'rewritten' (memsave's plan ran) or "
              "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
              "ran plain gradients). Budget rows: a byte budget, the fraction times plain's "
              "measured peak in the same process, kept by memsave.budgeted (the step is "
@@ -287,12 +307,17 @@ def markdown(summary, machine):
         ran = ("plain" if r["config"].startswith("plain") else
                "plain (fallback)" if r.get("fell_back") else "rewritten")
         base = plain[r["model"]]
-        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %.1f | %.1f× "
+        trace = max(base["build_s"], 1e-9)
+        build, versus = "%.1f" % r["build_s"], "%.1f×" % (r["build_s"] / trace)
+        if r.get("replan_build_s"):
+            build += " + %.1f" % r["replan_build_s"]
+            versus += " + %.1f×" % (r["replan_build_s"] / trace)
+        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %s | %s "
                      "| %s |" % (
                          model_name(r["model"]), r["batch"], _size_label(r["model"], r["size"]),
                          r["config"], r["peak_min"], r["peak_median"], r["peak_max"],
                          100.0 * r["peak_median"] / base["peak_median"], r["time_ratio"],
-                         r["build_s"], r["build_s"] / max(base["build_s"], 1e-9), ran)
+                         build, versus, ran)
             + _budget_cells(r))
     return "\n".join(lines) + "\n"
 
@@ -300,7 +325,9 @@ def markdown(summary, machine):
 def _size_label(model, size):
     if not size:
         return ""
-    return ", %d tokens" % size if model_name(model) in ("GPT2", "BERT") else ", %dpx" % size
+    if model_name(model) not in ("GPT2", "BERT"):
+        return ", %dpx" % size
+    return ", %d tokens%s" % (size, "" if width(model) == 256 else ", %d wide" % width(model))
 
 
 def _budget_cells(r):
