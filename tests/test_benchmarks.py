@@ -102,3 +102,28 @@ def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
            "| 1.5× | rewritten |" in table
     assert "| GPT2 | budget 0.3 × plain | raises: BudgetError: no plan |" in table
     assert (tmp_path / "zoo.png").stat().st_size > 10_000
+
+
+def test_xla_device_check_exports_here_and_runs_where_only_jax_is(tmp_path):
+    """benchmarks/xla_device.py: ``export`` writes the chain's HLO with its
+    deviceless H100 figures; ``run`` (for the lent GPU machine, which has
+    JAX and no TensorFlow) imports neither TensorFlow nor memsave."""
+    from benchmarks import xla_gpu   # pylint: disable=import-outside-toplevel
+    if not xla_gpu.available():
+        pytest.skip("the xla extra is not installed")
+    code = ("import runpy, sys; sys.modules['tensorflow'] = None; sys.modules['memsave'] = None; "
+            "sys.argv = ['xla_device.py']; runpy.run_path('benchmarks/xla_device.py', "
+            "run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "usage: xla_device.py export|run DIR" in out.stderr
+    from benchmarks import xla_device   # pylint: disable=import-outside-toplevel
+    xla_device.MODELS, saved = ("chain",), xla_device.MODELS
+    try:
+        xla_device.export(str(tmp_path))
+    finally:
+        xla_device.MODELS = saved
+    deviceless = json.loads((tmp_path / "deviceless.json").read_text())
+    assert deviceless["chain_optimal.pb"] < 0.5 * deviceless["chain_plain.pb"]
+    params = json.loads((tmp_path / "params.json").read_text())
+    assert params["chain_plain.pb"] and (tmp_path / "chain_plain.pb").stat().st_size > 0
