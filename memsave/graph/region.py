@@ -312,6 +312,27 @@ def fused_under_xla(region):
     return out
 
 
+def _fusion_inputs(names, region, fused):
+    """The tensors outside XLA's fusions that the fused tensors ``names`` are
+    computed from. A gradient that reads a fused value recomputes it inside
+    its own fusion from these, so it reads them instead: GELU's backward
+    reads the matmul output under the bias add, and a plan that keeps
+    neither recomputes the matmul."""
+    producer = {t.name: op for op in region.order for t in op.outputs}
+    out, stack, seen = set(), list(names), set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for t in producer[name].inputs:
+            if t.name in fused:
+                stack.append(t.name)
+            elif t.op in region.ops and differentiable(t):
+                out.add(t.name)
+    return out
+
+
 def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
     """Export the region as a :class:`~memsave.planning.dag.PlanGraph` over tensor names.
 
@@ -361,7 +382,7 @@ def _marks(region, reads, compiled):
     # original inputs: those cannot wait on the host.
     read_in_place = {t.name for op in region.pinned for t in op.inputs}
     fused = fused_under_xla(region) if compiled else set()
-    saved -= fused
+    saved = (saved - fused) | _fusion_inputs(saved & fused, region, fused)
     return _Marks(saved, reads_output, y_names, forced, read_in_place, fused)
 
 
