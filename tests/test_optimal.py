@@ -286,3 +286,22 @@ def test_a_tight_cap_drops_what_plain_keeps_that_is_cheapest_to_recompute():
             plan = memsave.plan(loss, weights, checkpoints="optimal", max_recompute=cap)
             assert plan.kept and plan.recompute_fraction <= cap, plan.summary()
             assert plan.estimated_peak_bytes < 0.9 * plan.plain_peak_bytes, plan.summary()
+
+
+def test_under_xla_a_budget_recomputes_no_more_than_a_capped_plan_that_fits_it():
+    """Under XLA a budget also tries what plain backprop keeps less the
+    cheapest to recompute (the cap's plans; without XLA their estimates run
+    low, see optimal._candidate_kept_sets), so it never recomputes more
+    than a capped plan estimated to fit it (GPT2 at 1,024 tokens, half of
+    plain's peak: 42% of a forward pass recomputed before, 7.8% now)."""
+    from tests.test_recompute_cost import _attention   # pylint: disable=C0415
+    graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
+    with graph.as_default():
+        for cap in (0.1, 0.2):
+            capped = memsave.plan(loss, weights, checkpoints="optimal", max_recompute=cap,
+                                  xla=True)
+            budget = capped.estimated_peak_bytes / capped.plain_peak_bytes + 0.01
+            fitted = memsave.plan(loss, weights, checkpoints="optimal", budget=budget, xla=True)
+            assert fitted.estimated_peak_bytes <= budget * fitted.plain_peak_bytes
+            assert fitted.recompute_fraction <= capped.recompute_fraction + 1e-9, (
+                cap, fitted.summary(), capped.summary())

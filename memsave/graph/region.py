@@ -353,6 +353,7 @@ def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
         return shapes.get(t.name, t.shape)
 
     g = PlanGraph()
+    g.compiled = compiled
     reads = backprop_reads(region)
     marks = _marks(region, reads, compiled)
     _add_leaf_xs(g, region.leaf_xs, shape_of, batch_size)

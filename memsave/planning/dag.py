@@ -122,7 +122,8 @@ class PlanGraph(nx.DiGraph):
 
     ``graph.nodes[name]`` is the tensor's :class:`NodeRecord`.
     ``unknown_dims`` counts tensors whose shape was not fully known when the
-    graph was built.
+    graph was built; ``compiled`` says XLA compiles the step (its estimates
+    are of XLA's buffer assignment, see :mod:`memsave.graph.region`).
     """
 
     node_attr_dict_factory = NodeRecord
@@ -149,6 +150,14 @@ class PlanGraph(nx.DiGraph):
     @unknown_dims.setter
     def unknown_dims(self, value):
         self.graph["unknown_dims"] = int(value)
+
+    @property
+    def compiled(self):
+        return self.graph.get("compiled", False)
+
+    @compiled.setter
+    def compiled(self, value):
+        self.graph["compiled"] = bool(value)
 
     def validate(self):
         """See :func:`validate`; returns the graph."""
