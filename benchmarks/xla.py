@@ -13,7 +13,7 @@ compile per row. Beside them, on the chain: ``tf.recompute_grad`` and JAX's
 Where TensorFlow sees a GPU, each step also runs once and the table gets
 the allocator's peak (``tf.config.experimental.get_memory_info``).
 
-    python -m benchmarks.xla                    # chain, ResNet50, GPT2
+    python -m benchmarks.xla                    # chain, ResNet50, GPT2, BERT
     python -m benchmarks.xla --models chain     # one model
 
 Needs the ``xla`` extra. Writes ``benchmarks/results/xla.{json,md,png}``.
@@ -29,8 +29,9 @@ from benchmarks import cli  # noqa: E402
 from benchmarks import xla_gpu  # noqa: E402  (sets JAX_PLATFORMS before jax loads)
 from benchmarks.zoo import error_line  # noqa: E402
 
-MODELS = ("chain", "ResNet50", "GPT2")
-STRATEGIES = (("optimal", {}), ("memory", {}), ("speed", {}), ("optimal", {"budget": 0.5}))
+MODELS = ("chain", "ResNet50", "GPT2", "BERT")
+STRATEGIES = (("optimal", {}), ("memory", {}), ("speed", {}), ("optimal", {"budget": 0.5}),
+              ("optimal", {"max_recompute": 0.05}), ("optimal", {"max_recompute": 0.1}))
 MIB = 2.0 ** 20
 
 # The chain: 32 layers of tanh(h @ W), 256 units, batch 4096 (4 MiB per activation).
@@ -99,11 +100,37 @@ def _gpt2():
     return loss, backbone.trainable_variables, {}
 
 
-BUILDERS = {"chain": _chain, "ResNet50": _resnet50, "GPT2": _gpt2}
+def _bert():
+    import keras  # pylint: disable=import-outside-toplevel
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    rng = np.random.RandomState(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
+        intermediate_dim=3072, max_sequence_length=1024, dropout=0.0)
+    ids = tf.constant(rng.randint(0, 30522, (8, 1024)).astype("int32"))
+    inputs = {"token_ids": ids, "segment_ids": tf.zeros((8, 1024), "int32"),
+              "padding_mask": tf.ones((8, 1024), "int32")}
+
+    def loss():
+        # Every token predicted from its own position (masked-LM's head
+        # without the masking), on the tied embedding's logits.
+        h = backbone(inputs, training=True)["sequence_output"]
+        logits = backbone.token_embedding(h, reverse=True)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(ids, logits))
+
+    return loss, backbone.trainable_variables, {}
+
+
+BUILDERS = {"chain": _chain, "ResNet50": _resnet50, "GPT2": _gpt2, "BERT": _bert}
 LABELS = {"chain": "chain 32 × tanh(h @ W), 256 units, batch 4096",
           "ResNet50": "Keras ResNet50, 224 px, batch 32",
           "GPT2": "keras-hub GPT2Backbone, 12 layers, 768 hidden, 1,024 tokens, batch 8, "
-                  "next-token cross-entropy on the tied embedding's logits"}
+                  "next-token cross-entropy on the tied embedding's logits",
+          "BERT": "keras-hub BertBackbone, 12 layers, 768 hidden, 1,024 tokens, batch 8, "
+                  "each token's cross-entropy on the tied embedding's logits"}
 
 
 def _step(loss, variables, checkpoints=None, options=None):
@@ -152,9 +179,10 @@ def _jax_chain_rows():
         specs = ([jax.ShapeDtypeStruct((c["units"], c["units"]), jnp.float32)] * c["layers"],
                  jax.ShapeDtypeStruct((c["batch"], c["units"]), jnp.float32))
         lowered = jax.jit(jax.grad(loss)).trace(*specs).lower(lowering_platforms=("cuda",))
-        stats = xla_gpu.stablehlo_memory(lowered.as_text())
+        executable = xla_gpu.compile_stablehlo(lowered.as_text())
         rows.append({"config": "jax.checkpoint (4 layers, prevent_cse=%s)" % prevent_cse,
-                     "temp_mib": stats["temp"] / MIB})
+                     "temp_mib": xla_gpu.memory(executable)["temp"] / MIB,
+                     "matmul_flops": xla_gpu.matmul_flops(executable)})
     return rows
 
 
@@ -175,8 +203,10 @@ def measure(name):
             rows.append({"model": name, "config": label, "error": error_line(e)})
             continue
         build = time.perf_counter() - start
-        stats = xla_gpu.hlo_memory(hlo)
-        rows.append({"model": name, "config": label, "temp_mib": stats["temp"] / MIB,
+        executable = xla_gpu.compile_hlo(hlo)
+        rows.append({"model": name, "config": label,
+                     "temp_mib": xla_gpu.memory(executable)["temp"] / MIB,
+                     "matmul_flops": xla_gpu.matmul_flops(executable),
                      "build_s": build, "device_peak_mib": _device_peak(step)})
     if name == "chain":
         rows += [dict(r, model=name, build_s=None, device_peak_mib=None)
@@ -190,20 +220,26 @@ def markdown(rows):
              "GPU compiler on a CPU (`python -m benchmarks.xla`). Temp: XLA's buffers for "
              "intermediates, MiB (weights, inputs and gradients are arguments and outputs, the "
              "same in every row); deterministic, one compile per row. 'vs plain': temp against "
-             "plain XLA's; build: trace and rewrite, seconds.", ""]
+             "plain XLA's; matmul FLOPs: of the compiled step's matmuls against plain's (what "
+             "XLA recomputes; blank where convolutions, run by cuDNN, are not counted); "
+             "build: trace and rewrite, seconds.", ""]
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
         plain = next(r["temp_mib"] for r in mine if r["config"] == "plain")
+        plain_flops = next(r.get("matmul_flops") for r in mine if r["config"] == "plain")
         gpu = any(r.get("device_peak_mib") is not None for r in mine)
         lines += ["**%s**" % name, "", LABELS[name], "",
-                  "| config | temp MiB | vs plain | build s |" + (" GPU peak MiB |" if gpu else ""),
-                  "|---|---:|---:|---:|" + ("---:|" if gpu else "")]
+                  "| config | temp MiB | vs plain | matmul FLOPs vs plain | build s |"
+                  + (" GPU peak MiB |" if gpu else ""),
+                  "|---|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
         for r in mine:
             if "error" in r:
-                lines.append("| %s | raises: %s | | |" % (r["config"], r["error"]))
+                lines.append("| %s | raises: %s | | | |" % (r["config"], r["error"]))
                 continue
-            lines.append("| %s | %.1f | %.0f%% | %s |%s" % (
+            flops = r.get("matmul_flops")
+            lines.append("| %s | %.1f | %.0f%% | %s | %s |%s" % (
                 r["config"], r["temp_mib"], 100.0 * r["temp_mib"] / plain,
+                "%.3f×" % (flops / plain_flops) if flops and plain_flops else "",
                 "%.1f" % r["build_s"] if r.get("build_s") is not None else "",
                 (" %.1f |" % r["device_peak_mib"] if r.get("device_peak_mib") is not None
                  else " |") if gpu else ""))

@@ -188,7 +188,8 @@ def child(name, quick, pairs, only=None):
                 if fresh:
                     retraced.append(calls[-1])
         except (memsave.NoBottleneckError, ValueError) as e:
-            rows.append(dict(model=name, config=label, error=error_line(e)))
+            rows.append(dict(model=name, config=label, batch=batch, size=size,
+                             error=error_line(e)))
             continue
         once = timed(step)
         steps[label] = step
@@ -253,7 +254,8 @@ def _summary(runs):
     for (model, config), rows in table.items():
         ok = [r for r in rows if "peak_mib" in r]
         if not ok:
-            out.append(dict(model=model, config=config, error=rows[0].get("error")))
+            out.append(dict(model=model, config=config, error=rows[0].get("error"),
+                            **{k: rows[0][k] for k in ("batch", "size") if k in rows[0]}))
             continue
         peaks = sorted(r["peak_mib"] for r in ok)
         ratios = [r["time_ratio"] for r in ok if "time_ratio" in r]
@@ -280,7 +282,12 @@ def _budget_summary(rows):
                           for r in rows))
 
 
+STRATEGIES_SECTION = "Strategies and caps"
+BUDGETS_SECTION = "Budgets"
+
+
 def markdown(summary, machine):
+    """The zoo's tables: every configuration but the budgets, then the budgets."""
     lines = ["Model zoo, one training step (float32, memsave.GradientTape in tf.function), "
              "%s. Peak: MiB above the pre-step baseline, min / median / max over processes; "
              "'vs plain': median against plain's median; time: median of alternating pairs "
@@ -288,38 +295,72 @@ def markdown(summary, machine):
              "and rewrite, seconds, and against plain's trace (budget rows: the first "
              "trace + the replans' traces); gradients: 'rewritten' (memsave's plan ran) or "
              "'plain (fallback)' (the plan was not estimated below plain's peak, so memsave "
-             "ran plain gradients). Budget rows: a byte budget, the fraction times plain's "
+             "ran plain gradients). Budgets: a byte budget, the fraction times plain's "
              "measured peak in the same process, kept by memsave.budgeted (the step is "
              "measured and replanned once; a replan measured over 95%% of the budget is "
-             "followed by the lowest plan); 'budget MiB' is the median target, 'replans' the "
-             "most in a process, "
+             "followed by the lowest plan); 'target MiB' is the median budget, 'vs target' "
+             "the median peak against it, 'replans' the most in a process, "
              "'held' the processes whose peak was at most the target, 'within 10%%' those "
              "also no more than 10%% below it." % machine, "",
+             "**%s**" % STRATEGIES_SECTION, "",
              "| model | config | peak MiB | vs plain | step time vs plain | build s "
-             "| build vs plain | gradients | budget MiB | replans | held | within 10% |",
-             "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---|"]
+             "| build vs plain | gradients |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
     plain = {r["model"]: r for r in summary if r["config"] == "plain"}
+    budgets = [r for r in summary if r["config"] in BUDGET_ROWS]
     for r in summary:
+        if r in budgets:
+            continue
         if "error" in r:
-            lines.append("| %s | %s | raises: %s | | | | | | | | | |" % (
-                model_name(r["model"]), r["config"], r["error"]))
+            lines.append("| %s | %s | raises: %s | | | | | |" % (
+                _model_label(r), r["config"], r["error"]))
             continue
         ran = ("plain" if r["config"].startswith("plain") else
                "plain (fallback)" if r.get("fell_back") else "rewritten")
         base = plain[r["model"]]
-        trace = max(base["build_s"], 1e-9)
-        build, versus = "%.1f" % r["build_s"], "%.1f×" % (r["build_s"] / trace)
-        if r.get("replan_build_s"):
-            build += " + %.1f" % r["replan_build_s"]
-            versus += " + %.1f×" % (r["replan_build_s"] / trace)
-        lines.append("| %s (b%d%s) | %s | %.1f / %.1f / %.1f | %.0f%% | %.2f× | %s | %s "
-                     "| %s |" % (
-                         model_name(r["model"]), r["batch"], _size_label(r["model"], r["size"]),
-                         r["config"], r["peak_min"], r["peak_median"], r["peak_max"],
+        lines.append("| %s | %s | %s | %.0f%% | %.2f× | %s | %s |" % (
+            _model_label(r), r["config"], _peaks(r),
+            100.0 * r["peak_median"] / base["peak_median"], r["time_ratio"],
+            _builds(r, base), ran))
+    if budgets:
+        lines += ["", "**%s**" % BUDGETS_SECTION, "",
+                  "| model | config | target MiB | peak MiB | vs target | vs plain "
+                  "| step time vs plain | build s | build vs plain | replans | held "
+                  "| within 10% |",
+                  "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in budgets:
+        if "error" in r:
+            lines.append("| %s | %s | raises: %s | | | | | | | | | |" % (
+                _model_label(r), r["config"], r["error"]))
+            continue
+        base, n = plain[r["model"]], r["processes"]
+        lines.append("| %s | %s | %.1f | %s | %.0f%% | %.0f%% | %.2f× | %s | %d | %d/%d "
+                     "| %d/%d |" % (
+                         _model_label(r), r["config"], r["budget_mib"], _peaks(r),
+                         100.0 * r["peak_median"] / r["budget_mib"],
                          100.0 * r["peak_median"] / base["peak_median"], r["time_ratio"],
-                         build, versus, ran)
-            + _budget_cells(r))
+                         _builds(r, base), r["replans"], r["held"], n, r["close"], n))
     return "\n".join(lines) + "\n"
+
+
+def _model_label(r):
+    if "batch" not in r:
+        return model_name(r["model"])
+    return "%s (b%d%s)" % (model_name(r["model"]), r["batch"], _size_label(r["model"], r["size"]))
+
+
+def _peaks(r):
+    return "%.1f / %.1f / %.1f" % (r["peak_min"], r["peak_median"], r["peak_max"])
+
+
+def _builds(r, plain):
+    """'build s | build vs plain': a budget's replans after a '+'."""
+    trace = max(plain["build_s"], 1e-9)
+    build, versus = "%.1f" % r["build_s"], "%.1f×" % (r["build_s"] / trace)
+    if r.get("replan_build_s"):
+        build += " + %.1f" % r["replan_build_s"]
+        versus += " + %.1f×" % (r["replan_build_s"] / trace)
+    return "%s | %s" % (build, versus)
 
 
 def _size_label(model, size):
@@ -328,14 +369,6 @@ def _size_label(model, size):
     if model_name(model) not in ("GPT2", "BERT"):
         return ", %dpx" % size
     return ", %d tokens%s" % (size, "" if width(model) == 256 else ", %d wide" % width(model))
-
-
-def _budget_cells(r):
-    if "budget_mib" not in r:
-        return " | | | |"
-    n = r["processes"]
-    return " %.1f | %d | %d/%d | %d/%d |" % (r["budget_mib"], r["replans"], r["held"], n,
-                                            r["close"], n)
 
 
 def plot(summary, path):

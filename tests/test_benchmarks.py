@@ -91,7 +91,10 @@ def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
     summary = [dict(row, config="plain"),
                dict(row, config="optimal (default)", peak_min=4.0, peak_median=4.0, peak_max=4.0,
                     time_ratio=1.2, build_s=3.0),
-               dict(model="GPT2", config="budget 0.3 × plain", error="BudgetError: no plan")]
+               dict(model="GPT2", config="budget 0.3 × plain", error="BudgetError: no plan"),
+               dict(row, config="budget 0.5 × plain", peak_min=4.6, peak_median=4.6, peak_max=4.6,
+                    time_ratio=1.1, build_s=3.0, replan_build_s=2.5, budget_mib=5.0,
+                    replans=1, held=1, close=1)]
     machine = dict(processor="x", cpus=2, tf_version="2.21.0")
     (tmp_path / "zoo.json").write_text(json.dumps({"machine": machine, "runs": [],
                                                    "summary": summary}))
@@ -100,7 +103,12 @@ def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
     assert "| build vs plain |" in table
     assert "| GPT2 (b2, 64 tokens) | optimal (default) | 4.0 / 4.0 / 4.0 | 40% | 1.20× | 3.0 " \
            "| 1.5× | rewritten |" in table
-    assert "| GPT2 | budget 0.3 × plain | raises: BudgetError: no plan |" in table
+    # The budgets have their own section: target, measured, replans.
+    strategies, budgets = table.split("**Budgets**")
+    assert "**Strategies and caps**" in strategies and "budget" not in strategies.split("|", 1)[1]
+    assert "| GPT2 | budget 0.3 × plain | raises: BudgetError: no plan |" in budgets
+    assert "| GPT2 (b2, 64 tokens) | budget 0.5 × plain | 5.0 | 4.6 / 4.6 / 4.6 | 92% | 46% " \
+           "| 1.10× | 3.0 + 2.5 | 1.5× + 1.2× | 1 | 1/1 | 1/1 |" in budgets
     assert (tmp_path / "zoo.png").stat().st_size > 10_000
 
 

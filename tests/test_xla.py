@@ -267,6 +267,25 @@ def test_deviceless_h100_chain_memory_well_below_plain():
     assert ours <= 0.5 * plain, (ours / 2**20, plain / 2**20)
 
 
+@pytest.mark.skipif(not xla_gpu.available(), reason="needs the xla extra (jax, CUDA plugin)")
+def test_deviceless_h100_matmuls_show_what_a_recompute_cap_recomputes():
+    """The compiled step's matmul FLOPs (after XLA's dead-code elimination
+    and CSE) are what the cap is about: plain runs 8 forward and 15 backward
+    matmuls; the default recomputes some; a 5% cap may recompute none of
+    them (each is an eighth of the forward pass's matmuls), though each
+    GELU and tanh reads its matmul's output inside a fusion."""
+    loss, ws = _chain(depth=8, batch=256, width=64, dtype="float32")
+
+    def matmul_flops(**options):
+        hlo = _step(loss, ws, **options).experimental_get_compiler_ir()(stage="hlo_serialized")
+        return xla_gpu.matmul_flops(xla_gpu.compile_hlo(hlo))
+
+    one = 2 * 256 * 64 * 64
+    assert matmul_flops() == 23 * one
+    assert matmul_flops(checkpoints="optimal") > 23 * one
+    assert matmul_flops(checkpoints="optimal", max_recompute=0.05) == 23 * one
+
+
 def test_plans_see_xla_fusions():
     """Under XLA an elementwise chain is one fused kernel: what one op hands
     the next is neither held by plain backprop nor costly to recompute."""
