@@ -36,7 +36,7 @@ test-all: $(STAMP)
 test-fast: $(STAMP)
 	$(ONEDNN_ON) $(PY) -m pytest -q -n 2 -m "not real_models and not slow and not heavy" tests
 
-# Every benchmark behind the README's figures (about 17 minutes on 2 cores).
+# Every benchmark behind the README's figures (about 25 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) -m benchmarks.depth
 	$(PY) -m benchmarks.models
