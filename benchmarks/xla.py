@@ -77,51 +77,45 @@ def _resnet50():
     return (lambda: loss_fn(y, model(x, training=True))), model.trainable_variables, {}
 
 
-def _gpt2():
+def _transformer(backbone_class, vocabulary_size, next_token, **inputs):
+    """A keras-hub backbone at GPT-2 small's size (12 layers, 768 hidden),
+    1,024 tokens, batch 8, and the cross-entropy of its tied embedding's
+    logits: for the next token (``next_token``) or for each token itself
+    (masked-LM's head without the masking)."""
     import keras  # pylint: disable=import-outside-toplevel
-    import keras_hub  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=50257, num_layers=12, num_heads=12, hidden_dim=768,
+    backbone = backbone_class(
+        vocabulary_size=vocabulary_size, num_layers=12, num_heads=12, hidden_dim=768,
         intermediate_dim=3072, max_sequence_length=1024, dropout=0.0)
-    ids = tf.constant(rng.randint(0, 50257, (8, 1024)).astype("int32"))
-    mask = tf.ones((8, 1024), "int32")
+    ids = tf.constant(rng.randint(0, vocabulary_size, (8, 1024)).astype("int32"))
+    inputs = dict(inputs, token_ids=ids, padding_mask=tf.ones((8, 1024), "int32"))
 
     def loss():
-        # Next-token cross-entropy on the tied embedding's logits.
-        h = backbone({"token_ids": ids, "padding_mask": mask}, training=True)
+        h = backbone(inputs, training=True)
+        if isinstance(h, dict):
+            h = h["sequence_output"]
         logits = backbone.token_embedding(h, reverse=True)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            ids[:, 1:], logits[:, :-1]))
+        labels = ids
+        if next_token:
+            labels, logits = ids[:, 1:], logits[:, :-1]
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
 
     return loss, backbone.trainable_variables, {}
+
+
+def _gpt2():
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    return _transformer(keras_hub.models.GPT2Backbone, 50257, next_token=True)
 
 
 def _bert():
-    import keras  # pylint: disable=import-outside-toplevel
     import keras_hub  # pylint: disable=import-outside-toplevel
-    import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(0)
-    rng = np.random.RandomState(0)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
-        intermediate_dim=3072, max_sequence_length=1024, dropout=0.0)
-    ids = tf.constant(rng.randint(0, 30522, (8, 1024)).astype("int32"))
-    inputs = {"token_ids": ids, "segment_ids": tf.zeros((8, 1024), "int32"),
-              "padding_mask": tf.ones((8, 1024), "int32")}
-
-    def loss():
-        # Every token predicted from its own position (masked-LM's head
-        # without the masking), on the tied embedding's logits.
-        h = backbone(inputs, training=True)["sequence_output"]
-        logits = backbone.token_embedding(h, reverse=True)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(ids, logits))
-
-    return loss, backbone.trainable_variables, {}
+    return _transformer(keras_hub.models.BertBackbone, 30522, next_token=False,
+                        segment_ids=tf.zeros((8, 1024), "int32"))
 
 
 BUILDERS = {"chain": _chain, "ResNet50": _resnet50, "GPT2": _gpt2, "BERT": _bert}

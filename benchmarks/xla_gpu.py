@@ -122,14 +122,7 @@ def matmul_flops(executable):
     text = executable.hlo_modules()[0].to_string()
     if "__cudnn$conv" in text:
         return None
-    shapes = {}
-    for line in text.splitlines():
-        defined = _DEFINED.match(line)
-        if defined:
-            shapes[defined.group(1)] = _dims(defined.group(2))
-        elif line.startswith("%") or line.startswith("ENTRY"):   # a computation's parameters
-            shapes.update((n, _dims(d)) for n, d in _PARAMETER.findall(line.split("->")[0]))
-    total = 0
+    shapes, total = {}, 0
     for line in text.splitlines():
         dot = _DOT.match(line)
         if dot:
@@ -140,6 +133,11 @@ def matmul_flops(executable):
             for axis in _dims(dot.group(3)):
                 flops *= lhs[axis]
             total += flops
+        defined = _DEFINED.match(line)
+        if defined:
+            shapes[defined.group(1)] = _dims(defined.group(2))
+        elif line.startswith("%") or line.startswith("ENTRY"):   # a computation's parameters
+            shapes.update((n, _dims(d)) for n, d in _PARAMETER.findall(line.split("->")[0]))
     return total
 
 

@@ -309,7 +309,7 @@ def markdown(summary, machine):
     plain = {r["model"]: r for r in summary if r["config"] == "plain"}
     budgets = [r for r in summary if r["config"] in BUDGET_ROWS]
     for r in summary:
-        if r in budgets:
+        if r["config"] in BUDGET_ROWS:
             continue
         if "error" in r:
             lines.append("| %s | %s | raises: %s | | | | | |" % (

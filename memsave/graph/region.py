@@ -318,14 +318,13 @@ def _fusion_inputs(names, region, fused):
     its own fusion from these, so it reads them instead: GELU's backward
     reads the matmul output under the bias add, and a plan that keeps
     neither recomputes the matmul."""
-    producer = {t.name: op for op in region.order for t in op.outputs}
     out, stack, seen = set(), list(names), set()
     while stack:
         name = stack.pop()
         if name in seen:
             continue
         seen.add(name)
-        for t in producer[name].inputs:
+        for t in region.graph.get_tensor_by_name(name).op.inputs:
             if t.name in fused:
                 stack.append(t.name)
             elif t.op in region.ops and differentiable(t):

@@ -364,7 +364,7 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fas
         kept_sets += _cheapest_of_plain(graph, prepared, cap=cap)
     if limit is not None:
         kept_sets += _selective(graph, prepared, limit=limit, forced=forced)
-        if getattr(graph, "compiled", False):
+        if graph.graph.get("compiled", False):
             # What plain keeps less the cheapest, under a budget only where
             # XLA compiles the step: its buffer assignment matched these
             # estimates (GPT2 at 1,024 tokens: 6,218 MiB estimated, 6,052
