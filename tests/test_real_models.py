@@ -71,8 +71,15 @@ def _dense(g):
     return None if g is None else tf.convert_to_tensor(g)
 
 
+# Through the tape, CI runs the applications with distinct layers (MobileNetV2's
+# depthwise convolutions, ConvNeXtTiny's grouped ones and LayerNorm), the
+# transformers and LSTMs; ResNet50 also runs in float32 below. `make test-all`
+# runs the rest (40-90 s each on 2 cores).
+TAPE_SLOW = ("DenseNet121", "EfficientNetB0", "ResNet50")
+
+
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.slow] if n == "DenseNet121" else []) for n in MODELS])
+    pytest.param(n, marks=[pytest.mark.slow] if n in TAPE_SLOW else []) for n in MODELS])
 def test_tape_in_tf_function(name):
     """Each strategy's tape beside the plain one, on one forward pass."""
     batch = BATCH
@@ -119,7 +126,8 @@ FLOAT32 = ("ResNet50", "DenseNet121", "GPT2")
 
 
 @pytest.mark.both_onednn
-@pytest.mark.parametrize("name", FLOAT32)
+@pytest.mark.parametrize("name", [   # DenseNet121: 90 s per oneDNN pass, in make test-all
+    pytest.param(n, marks=[pytest.mark.slow] if n == "DenseNet121" else []) for n in FLOAT32])
 def test_tape_in_float32_where_onednn_fuses(name):
     """The same in float32, which oneDNN fuses (conv + bias + relu, matmul +
     bias, batch norm): `make test` runs it with oneDNN on and off. These tiny
@@ -146,12 +154,12 @@ def test_tape_in_float32_where_onednn_fuses(name):
         assert not failure, "%s: %s" % (name, failure)
 
 
-# keras.enable + fit on an application costs 40-120 s per strategy on 2
-# cores. To keep `make test` within 15 minutes, CI fits ConvNeXtTiny (grouped
-# convolutions) with 'optimal', the default, and every strategy on the
-# transformers and LSTMs; the tape test above covers every strategy on every
-# application but DenseNet121. `make test-all` (or -m slow) runs the rest.
-FIT_IN_CI = {"ConvNeXtTiny": ("optimal",), "GPT2": STRATEGIES, "BERT": STRATEGIES,
+# keras.enable + fit on an application costs 40-130 s per strategy on 2
+# cores. To keep `make test` within 15 minutes, CI fits the transformers with
+# 'optimal' (the default) and 'collection', and the LSTMs with every strategy;
+# the tape test above covers every strategy on the models it runs. `make
+# test-all` (or -m slow) runs the rest.
+FIT_IN_CI = {"GPT2": ("optimal", "collection"), "BERT": ("optimal", "collection"),
              "LSTM": STRATEGIES, "LSTMStateful": STRATEGIES}
 
 
