@@ -22,9 +22,10 @@ demo: $(STAMP)
 ONEDNN_ON := TF_ENABLE_ONEDNN_OPTS=1
 ONEDNN_OFF := TF_ENABLE_ONEDNN_OPTS=0
 
+# CI: a third as many random graphs as make test-all (hypothesis profile "quick").
 test: $(STAMP)
-	$(ONEDNN_ON) $(PY) -m pytest -q -n 2 -m "not slow" tests
-	$(ONEDNN_OFF) $(PY) -m pytest -q -n 2 -m "both_onednn and not slow" tests
+	HYPOTHESIS_PROFILE=quick $(ONEDNN_ON) $(PY) -m pytest -q -n 2 -m "not slow" tests
+	HYPOTHESIS_PROFILE=quick $(ONEDNN_OFF) $(PY) -m pytest -q -n 2 -m "both_onednn and not slow" tests
 
 # Everything, the slow real-model cases included (see docs/testing.md for times).
 test-all: $(STAMP)

@@ -76,16 +76,13 @@ HEAVY_CASES = (
 # Left out of `make test` to keep CI within 15 minutes (test, substring of the
 # case id or "" for all its cases): the longest tests on 2 cores whose class
 # `make test` still covers with a shorter sibling, named after each group.
-# Seconds from `pytest --durations=0` in `make test-all` (oneDNN on).
+# Seconds from `pytest --durations=0` in `make test-all` (oneDNN on). The
+# random graphs of tests/test_properties.py run in both, a third as many in
+# `make test` (hypothesis profile "quick").
 SLOW_CASES = (
     # test_fit_in_budget_example_trains_where_plain_runs_out_of_memory
     # (test_benchmarks.py) runs one model under a hard allocator limit.
     ("test_two_models_train_under_a_hard_limit_where_plain_runs_out_of_memory", ""),  # 190 s
-    # The weak-spot graphs and random DAGs stay in tf.function (and XLA).
-    ("test_weak_spots", "session"),                                    # 105 s
-    ("test_random_dags_session", ""),                                  # 95 s
-    ("test_random_dags_nested_xs", ""),                                # 21 s
-    ("test_no_bottleneck_only_when_none_exists_strict", ""),           # 18 s
     # Measured peaks: the short chains, ResNet and LSTM cases stay.
     ("test_unrolled_lstm_weight_gradient_pieces", ""),                 # 52 s
     ("test_2000_layer_chain_memory", ""),                              # 35 s

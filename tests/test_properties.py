@@ -18,9 +18,11 @@ written later in the step), conds, nested calls, custom gradients, Pow/GELU
 and float32 conv + bias, and run every strategy with and without
 ``offload='auto'``, an offloaded list and a budget.
 
-Hypothesis profiles are registered here: "ci" (the default: derandomized,
-240 Session examples, 40 tf.function examples, 240 planning-only examples,
-120 + 40 weak-spot examples, no deadline) and "long"
+Hypothesis profiles are registered here: "ci" (the default, and `make
+test-all`'s: derandomized, 240 Session examples, 40 tf.function examples,
+240 planning-only examples, 120 + 40 + 20 weak-spot examples (Session,
+tf.function, XLA), no deadline), "quick" (`make test`'s: the same with 80
+examples: 80 / 13 / 80, weak spots 40 + 13 + 10) and "long"
 (``HYPOTHESIS_PROFILE=long``: 2000 / 333 / 2000, weak spots 2000 + 333,
 random). Each test applies the chosen profile through ``settings(parent=...)``
 rather than loading it globally, so other test files are unaffected.
@@ -44,6 +46,9 @@ from tests import graphgen
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
            HealthCheck.large_base_example]
 settings.register_profile("ci", derandomize=True, max_examples=240, deadline=None,
+                          suppress_health_check=_HEALTH, database=None, print_blob=True)
+# `make test` (CI) runs a third as many (`make test-all`: "ci", the default).
+settings.register_profile("quick", derandomize=True, max_examples=80, deadline=None,
                           suppress_health_check=_HEALTH, database=None, print_blob=True)
 settings.register_profile("long", max_examples=2000, deadline=None,
                           suppress_health_check=_HEALTH, print_blob=True)
