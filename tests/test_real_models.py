@@ -71,11 +71,10 @@ def _dense(g):
     return None if g is None else tf.convert_to_tensor(g)
 
 
-# Through the tape, CI runs the applications with distinct layers (MobileNetV2's
-# depthwise convolutions, ConvNeXtTiny's grouped ones and LayerNorm), the
-# transformers and LSTMs; ResNet50 also runs in float32 below. `make test-all`
-# runs the rest (40-90 s each on 2 cores).
-TAPE_SLOW = ("DenseNet121", "EfficientNetB0", "ResNet50")
+# Through the tape, CI runs one application (MobileNetV2: depthwise
+# convolutions, batch norm), the transformers and LSTMs; ResNet50 also runs
+# in float32 below. `make test-all` runs the rest (40-90 s each on 2 cores).
+TAPE_SLOW = ("DenseNet121", "EfficientNetB0", "ResNet50", "ConvNeXtTiny")
 
 
 @pytest.mark.parametrize("name", [
