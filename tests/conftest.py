@@ -80,6 +80,14 @@ HEAVY_CASES = (
 # random graphs of tests/test_properties.py run in both, a third as many in
 # `make test` (hypothesis profile "quick").
 SLOW_CASES = (
+    # Through the tape, CI runs one application (MobileNetV2: depthwise
+    # convolutions, batch norm), the transformers and LSTMs; ResNet50 also
+    # in float32, with oneDNN on and off.
+    ("test_tape_in_tf_function", "DenseNet121"),                       # 141 s
+    ("test_tape_in_tf_function", "EfficientNetB0"),                    # 87 s
+    ("test_tape_in_tf_function", "ResNet50"),                          # 63 s
+    ("test_tape_in_tf_function", "ConvNeXtTiny"),                      # 59 s
+    ("test_tape_in_float32_where_onednn_fuses", "DenseNet121"),        # 86 s (x2)
     # test_fit_in_budget_example_trains_where_plain_runs_out_of_memory
     # (test_benchmarks.py) runs one model under a hard allocator limit.
     ("test_two_models_train_under_a_hard_limit_where_plain_runs_out_of_memory", ""),  # 190 s
@@ -116,7 +124,6 @@ def pytest_collection_modifyitems(config, items):
     del config
     for item in items:
         name = getattr(item, "originalname", item.name)
-        if any(name == fn and case in item.name for fn, case in HEAVY_CASES):
-            item.add_marker(pytest.mark.heavy)
-        if any(name == fn and case in item.name for fn, case in SLOW_CASES):
-            item.add_marker(pytest.mark.slow)
+        for cases, marker in ((HEAVY_CASES, pytest.mark.heavy), (SLOW_CASES, pytest.mark.slow)):
+            if any(name == fn and case in item.name for fn, case in cases):
+                item.add_marker(marker)

@@ -24,9 +24,10 @@ agree only because they happen to use the same order. In float64 the same
 pairs agree to about 1e-14, so the 1e-7 bound here catches any real
 difference (a lost path, a wrong read) and no rounding noise.
 
-Run alone with ``pytest -m real_models``; the cases marked slow (DenseNet121's
-tape, and fit on the applications except ConvNeXtTiny with 'optimal') run
-with ``make test-all``.
+Run alone with ``pytest -m real_models``; the cases marked slow (the tape on
+four applications, fit on every application and with 'memory' and 'speed' on
+the transformers: ``SLOW_CASES`` in tests/conftest.py and ``FIT_IN_CI``
+below) run with ``make test-all``.
 """
 
 import contextlib
@@ -71,14 +72,8 @@ def _dense(g):
     return None if g is None else tf.convert_to_tensor(g)
 
 
-# Through the tape, CI runs one application (MobileNetV2: depthwise
-# convolutions, batch norm), the transformers and LSTMs; ResNet50 also runs
-# in float32 below. `make test-all` runs the rest (40-90 s each on 2 cores).
-TAPE_SLOW = ("DenseNet121", "EfficientNetB0", "ResNet50", "ConvNeXtTiny")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.slow] if n in TAPE_SLOW else []) for n in MODELS])
+# CI leaves out the applications' cases listed in SLOW_CASES (tests/conftest.py).
+@pytest.mark.parametrize("name", MODELS)
 def test_tape_in_tf_function(name):
     """Each strategy's tape beside the plain one, on one forward pass."""
     batch = BATCH
@@ -125,8 +120,7 @@ FLOAT32 = ("ResNet50", "DenseNet121", "GPT2")
 
 
 @pytest.mark.both_onednn
-@pytest.mark.parametrize("name", [   # DenseNet121: 90 s per oneDNN pass, in make test-all
-    pytest.param(n, marks=[pytest.mark.slow] if n == "DenseNet121" else []) for n in FLOAT32])
+@pytest.mark.parametrize("name", FLOAT32)
 def test_tape_in_float32_where_onednn_fuses(name):
     """The same in float32, which oneDNN fuses (conv + bias + relu, matmul +
     bias, batch norm): `make test` runs it with oneDNN on and off. These tiny
