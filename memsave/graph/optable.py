@@ -60,6 +60,27 @@ FUSIBLE = frozenset({
 # Outputs that alias an x's buffer (a variable's current value): no memory.
 INPUT_READS = frozenset({"ReadVariableOp"})
 
+# Ops whose output is an input's buffer (TensorFlow forwards it, a reshape
+# with a new shape): keeping both costs one buffer. {op type: the input each
+# output forwards, None for output i forwarding input i}.
+FORWARDS_INPUT = {"Identity": 0, "IdentityN": None, "Reshape": 0, "Squeeze": 0,
+                  "ExpandDims": 0, "StopGradient": 0, "PreventGradient": 0, "EnsureShape": 0}
+
+
+def forwarded_input(op, output_index):
+    """The input of ``op`` whose buffer its output ``output_index`` is, or None
+    (an identity across devices copies)."""
+    if op.type not in FORWARDS_INPUT:
+        return None
+    i = FORWARDS_INPUT[op.type]
+    i = output_index if i is None else i
+    if i >= len(op.inputs):
+        return None
+    source = op.inputs[i]
+    same = source.dtype == op.outputs[output_index].dtype and source.op.device == op.device
+    return source if same else None
+
+
 # Ops that only read their input's metadata: they never keep it alive.
 METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 

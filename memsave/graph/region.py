@@ -405,10 +405,13 @@ def _add_region_tensors(g, region, reads, marks, shape_of, batch_size):
     for op in region.order:
         cost = op_cost(op, shape_of)
         kind = optable.flags(op.type)
-        for t in op.outputs:
+        for k, t in enumerate(op.outputs):
             shape = shape_of(t)
-            g.add_tensor(t.name, order=index, **_output_fields(
-                t, op, shape, cost, kind, reads, marks, region, batch_size))
+            forwarded = optable.forwarded_input(op, k)
+            g.add_tensor(t.name, order=index, shares_buffer=(
+                forwarded.name if forwarded is not None and g.has_node(forwarded.name)
+                else None), **_output_fields(
+                    t, op, shape, cost, kind, reads, marks, region, batch_size))
             index += 1
             if not shape.is_fully_defined():
                 unknown += 1

@@ -50,6 +50,10 @@ class TensorNode:
     it sums them, so a weight that an unrolled RNN reads at every step costs
     one piece per step.
 
+    ``shares_buffer``: the input (a predecessor's name) whose buffer this
+    tensor is, where its op forwards it (an identity, a reshape): holding
+    both costs one buffer, and the gradient may pass through as one too.
+
     ``scratch_bytes``: what its producer's backward allocates beyond the
     gradients it makes and frees when done (kernel scratch, an XLA-compiled
     call's buffers). Only a measurement knows it: a byte budget's loop sets
@@ -74,6 +78,7 @@ class TensorNode:
     split_gradient: bool = False
     input_read: bool = False
     grad_bytes: typing.Optional[int] = None
+    shares_buffer: typing.Optional[str] = None
     scratch_bytes: int = 0
 
     def __post_init__(self):
@@ -91,6 +96,9 @@ class TensorNode:
         if (isinstance(self.scratch_bytes, bool) or not isinstance(self.scratch_bytes, int)
                 or self.scratch_bytes < 0):
             raise PlanGraphError("scratch_bytes must be an int >= 0, got %r" % (self.scratch_bytes,))
+        if self.shares_buffer is not None and not isinstance(self.shares_buffer, str):
+            raise PlanGraphError("shares_buffer must be None or a tensor name, got %r"
+                                 % (self.shares_buffer,))
         if isinstance(self.cost, bool) or not isinstance(self.cost, (int, float)) or self.cost < 0:
             raise PlanGraphError("cost must be a number >= 0, got %r" % (self.cost,))
         if self.x and (self.y or self.candidate or self.forced):
@@ -167,7 +175,8 @@ class PlanGraph(nx.DiGraph):
 def validate(graph):
     """Raise unless ``graph`` keeps the schema: a networkx DiGraph whose nodes
     all carry the :class:`TensorNode` fields (as :meth:`PlanGraph.add_tensor`
-    makes them), with edges that follow ``order`` and none into an x.
+    makes them), with edges that follow ``order`` and none into an x, and
+    ``shares_buffer`` naming an input.
     Strategies call it first, so a hand-built graph fails with a clear
     message rather than a KeyError deep inside. Returns ``graph``."""
     if not isinstance(graph, nx.DiGraph):
@@ -179,6 +188,11 @@ def validate(graph):
             raise PlanGraphError(
                 "tensor %r lacks %s: add nodes with PlanGraph.add_tensor (an edge to an "
                 "unknown name creates a bare node)" % (name, ", ".join(missing)))
+    for name, data in nodes(data=True):
+        source = data["shares_buffer"]
+        if source is not None and not graph.has_edge(source, name):
+            raise PlanGraphError("tensor %r shares the buffer of %r, which is not one of its "
+                                 "inputs" % (name, source))
     for a, b in graph.edges:
         if nodes[b]["x"]:
             raise PlanGraphError("edge %r -> %r: nothing in the graph feeds an x" % (a, b))

@@ -1,10 +1,11 @@
 """Estimate the peak of a checkpointed backward pass by simulating it.
 
 The simulation follows the rewrite's schedule on the planning graph: the
-segment below the ys first, then the segments below each kept tensor in
-reverse topological order. During a segment, memory holds:
+segment below the ys first, then the segments below each kept tensor that
+a gradient reaches, in reverse topological order. During a segment, memory holds:
 
-- kept tensors that a segment still to come reads,
+- kept tensors that a segment still to come reads (with a copy that runs,
+  or in a gradient); a kept tensor nothing reads is freed by the forward pass,
 - running gradient sums of kept tensors whose own segment has not run,
 - the segment's recomputed activations that some gradient reads
   (``saved``), each freed once the backward sweep passes its producer,
@@ -19,6 +20,10 @@ The rewrite runs the weight gradient first when
 :func:`memsave.planning.rules.reducer_runs_first` says so, so an input
 activation that no other gradient reads is freed before its own gradient is
 allocated.
+
+Memory is counted per buffer: an identity's or a reshape's output is its
+input's buffer (``shares_buffer``), so holding both costs it once, and a
+gradient that passes through such an op is the same buffer too.
 
 With nothing kept it models plain backprop, which keeps every saved
 activation of the forward pass (one segment holding everything).
@@ -47,30 +52,57 @@ from memsave.planning.rules import reducer_runs_first
 # and grows the same kept sets several times.
 Prepared = collections.namedtuple(
     "Prepared",
-    "names index size saved reads_output preds ys forced early aliases pieces scratch memo")
+    "names index size saved reads_output preds ys forced early aliases pieces scratch owner "
+    "passes live reads_inputs memo")
 
 
-def _freed_early(graph, names, size, saved, preds):
-    """{consumer: [inputs freed before the consumer's input gradient exists]}.
+def _buffer_owners(graph, names, index):
+    """``owner[i]``: the node whose buffer node ``i`` is (``i`` itself, or the
+    start of a chain of ``shares_buffer``; -1 for an x's buffer, which is not
+    counted), and ``passes[i]``: node ``i``'s gradient reaches its input as
+    the same buffer (an identity or a reshape whose gradient reads nothing)."""
+    nodes = graph.nodes
+    owner = list(range(len(names)))
+    passes = [False] * len(names)
+    for i, n in enumerate(names):
+        source = nodes[n]["shares_buffer"]
+        if source is not None:
+            owner[i] = owner[index[source]] if source in index else -1
+            passes[i] = not (nodes[n]["grad_reads_inputs"] or nodes[n]["grad_reads_output"])
+    return owner, passes
 
-    An input qualifies when the consumer's gradient is the only one that
-    reads it (its producer's gradient does not read it, nor does any other
-    consumer's) and the rewrite orders the weight gradient first (its result,
-    the size of the consumer's other inputs, is small; the input gradient's is
-    the input's size).
+
+def _freed_early(graph, names, size, saved, preds, owner):
+    """{consumer: [buffers (owner indices) freed before the consumer's input
+    gradient exists]}.
+
+    An input's buffer qualifies when the consumer's gradient is the only one
+    that reads it, through the input or any tensor sharing the buffer (no
+    producer's gradient reads it, nor does any other consumer's), and the
+    rewrite orders the weight gradient first (its result, the size of the
+    consumer's other inputs, is small; the input gradient's is the input's
+    size).
     """
     nodes = graph.nodes
+    sharing = collections.defaultdict(list)
+    for i, o in enumerate(owner):
+        if o >= 0:
+            sharing[o].append(i)
     early = {}
     for i, n in enumerate(names):
         if not nodes[n]["split_gradient"]:
             continue
         for q in preds[i]:
-            if not saved[q] or nodes[names[q]]["grad_reads_output"]:
+            o = owner[q]
+            group = sharing.get(o, ())
+            if (o < 0 or not any(saved[t] for t in group)
+                    or any(nodes[names[t]]["grad_reads_output"] for t in group)):
                 continue
-            readers = {c for c in graph.successors(names[q]) if nodes[c]["grad_reads_inputs"]}
-            others = sum(size[o] for o in preds[i] if o != q)
-            if readers == {n} and reducer_runs_first(size[q], others, size[q]):
-                early.setdefault(i, []).append(q)
+            readers = {c for t in group for c in graph.successors(names[t])
+                       if nodes[c]["grad_reads_inputs"]}
+            others = sum(size[r] for r in preds[i] if r != q)
+            if readers == {n} and reducer_runs_first(size[o], others, size[o]):
+                early.setdefault(i, []).append(o)
     return early
 
 
@@ -84,11 +116,19 @@ def prepare(graph):
     preds = [[index[p] for p in graph.predecessors(n) if p in index] for n in names]
     ys = [i for i, n in enumerate(names) if graph.nodes[n]["y"]]
     forced = {i for i, n in enumerate(names) if graph.nodes[n]["forced"]}
-    early = _freed_early(graph, names, size, saved, preds)
+    owner, passes = _buffer_owners(graph, names, index)
+    early = _freed_early(graph, names, size, saved, preds, owner)
     aliases, pieces = _gradient_pieces(graph, names, index)
     scratch = [graph.nodes[n]["scratch_bytes"] for n in names]
+    # What a gradient reaches from the ys: a kept tensor off every path to
+    # them (an output nothing consumes) has no backward segment.
+    live = [False] * len(names)
+    for i in range(len(names) - 1, -1, -1):
+        live[i] = graph.nodes[names[i]]["y"] or any(
+            live[index[c]] for c in graph.successors(names[i]) if c in index)
     return Prepared(names, index, size, saved, reads_output, preds, ys, forced, early, aliases,
-                    pieces, scratch, {})
+                    pieces, scratch, owner, passes, live,
+                    [graph.nodes[n]["grad_reads_inputs"] for n in names], {})
 
 
 def _memo(p, kind, kept, make):
@@ -118,7 +158,7 @@ def _closures(p, kept):
         new = kept - last_kept if reusable else kept
         top = last[0] if reusable and new.isdisjoint(last[0][0]) else _walk(p, p.ys, kept)
         below = {}
-        for k in kept:
+        for k in (k for k in kept if p.live[k]):
             old = last[1].get(k) if reusable else None
             below[k] = old if old is not None and new.isdisjoint(old[0]) else _walk(p, [k], kept)
         found = p.memo[key] = (top, below)
@@ -167,7 +207,7 @@ def _segments(p, kept):
     """[(boundary, members, kept nodes read)] as the rewrite forms them (walks
     stop at kept nodes)."""
     top, below = _closures(p, kept)
-    return [(p.ys,) + top] + [([k],) + below[k] for k in sorted(kept, reverse=True)]
+    return [(p.ys,) + top] + [([k],) + below[k] for k in sorted(below, reverse=True)]
 
 
 def _closure(p, boundary, kept):
@@ -203,7 +243,7 @@ def rewrite_segments(p, kept):
 def _rewrite_segments(p, kept):
     top, below = _closures(p, kept)
     level = {}
-    for k in sorted(kept):  # topological indices: a node's deps come first
+    for k in sorted(below):  # topological indices: a node's deps come first
         # (A kept node is no ancestor of itself: its walk never reads it.)
         level[k] = 1 + max((level[d] for d in below[k][1]), default=-1)
     by_level = collections.defaultdict(set)
@@ -235,12 +275,12 @@ def _recompute_cost(graph, p, idx):
     nodes = graph.nodes
     total = 0.0
     for members in rewrite_segments(p, idx):
-        for n in _copies_that_run(graph, p, members, idx):
+        for n in _copies_that_run(p, members, idx):
             total += nodes[p.names[n]]["cost"]
     return total
 
 
-def _copies_that_run(graph, p, members, idx):
+def _copies_that_run(p, members, idx):
     """The ``members`` of one segment whose copies run (see :func:`recompute_cost`)."""
     stack = [n for n in members if n not in idx and p.saved[n]]
     run = set()
@@ -292,10 +332,7 @@ def _simulate(p, kept, off, prefetch, early_free):
     segments = _segments(p, kept)
 
     readers = collections.Counter()
-    # A kept node whose gradient reads its output reads the kept value in its
-    # own segment (see memsave.rewrite): it lives until then.
-    reads = [touched | {b for b in boundary if b in kept and p.reads_output[b]}
-             for boundary, _, touched in segments]
+    reads = [_kept_reads(p, kept, boundary, members) for boundary, members, _ in segments]
     for touched in reads:
         readers.update(touched)
     # Device bytes swapped in per segment: all of them while its forward is
@@ -305,7 +342,9 @@ def _simulate(p, kept, off, prefetch, early_free):
     ahead = [sum(size[q] for q in nxt if q in off and q not in cur) if prefetch else 0
              for cur, nxt in zip(reads, reads[1:] + [set()])]
 
-    sim = _Backward(p, kept, off, early_free)
+    # A kept tensor that no segment reads (an output nothing consumes) is
+    # freed when the forward pass made it.
+    sim = _Backward(p, kept, {k for k in kept if readers[k] and k not in off}, early_free)
     for i, (boundary, members, _) in enumerate(segments):
         # Kept boundary nodes read last by their own gradient: freed by it.
         sim.own = {b for b in boundary if b in kept and p.reads_output[b] and readers[b] == 1
@@ -314,8 +353,24 @@ def _simulate(p, kept, off, prefetch, early_free):
         for k in reads[i]:
             readers[k] -= 1
             if readers[k] == 0 and k not in off and k not in sim.own:
-                sim.alive_kept -= size[k]
+                sim.release(k)
     return int(sim.peak)
+
+
+def _kept_reads(p, kept, boundary, members):
+    """The kept nodes one segment reads: inputs of the copies that run (a copy
+    no gradient needs is pruned, and so is its read), inputs its gradients
+    read, and boundary nodes whose gradient reads their output (the kept
+    value, in their own segment: see memsave.rewrite). A kept node lives
+    until the last segment that reads it."""
+    running = _copies_that_run(p, members, kept)
+    reads = {b for b in boundary if b in kept and p.reads_output[b]}
+    for m in members:
+        if m in running:
+            reads.update(q for q in p.preds[m] if q in kept)
+        elif p.reads_inputs[m]:
+            reads.update(q for q in p.preds[m] if q in kept and p.saved[q])
+    return reads
 
 
 class _Backward:
@@ -326,11 +381,17 @@ class _Backward:
     wait for the segment's last one: TF sums a tensor's pieces with one
     AddN, then one running sum per x lives on). Within a segment: its saved
     activations, gradients in flight, and the pieces pending per x.
+
+    Memory is counted per buffer: tensors that share one (``Prepared.owner``)
+    cost it once, and it lives while any of them is held.
     """
 
-    def __init__(self, p, kept, off, early_free):
+    def __init__(self, p, kept, held, early_free):
         self.p, self.kept, self.early_free = p, kept, early_free
-        self.alive_kept = sum(p.size[n] for n in kept if n not in off)
+        # Kept tensors held on the device per buffer (``held``): the buffer is
+        # freed with the last of them.
+        self.holders = collections.Counter(p.owner[n] for n in held if p.owner[n] >= 0)
+        self.alive_kept = sum(p.size[o] for o in self.holders)
         self.grad_sums = {}
         self.freed = set()
         self.peak = self.alive_kept
@@ -338,7 +399,16 @@ class _Backward:
         self.own = set()   # kept nodes the current segment frees at their own backward
         # The current segment's (see segment()).
         self.saved = self.in_flight = self.sums = self.swapped = 0
+        self.buffers = set()   # its recomputed buffers that backprop reads
         self.flight, self.left, self.pending = {}, collections.Counter(), collections.Counter()
+
+    def release(self, k):
+        """Kept node ``k`` is read no more: its buffer goes with its last holder."""
+        o = self.p.owner[k]
+        if o >= 0:
+            self.holders[o] -= 1
+            if self.holders[o] == 0:
+                self.alive_kept -= self.p.size[o]
 
     def _resident(self):
         """Bytes held whatever the current op: kept, sums, saved, in flight."""
@@ -348,8 +418,12 @@ class _Backward:
         """Recompute ``members`` (peak with the segment's swap-ins), then run
         their backward ops last first; ``ahead``: the next segment's swap-ins."""
         p, size, kept = self.p, self.p.size, self.kept
-        # Kept members are not recomputed: their gradients read the kept value.
-        self.saved = sum(size[n] for n in members if p.saved[n] and n not in kept)
+        # Kept members are not recomputed: their gradients read the kept value
+        # (and a member sharing a kept buffer is that buffer).
+        self.buffers = {p.owner[n] for n in members if p.saved[n] and n not in kept} & (
+            set(members) - kept)
+        self.saved = sum(size[o] for o in self.buffers)
+        self.freed = set()
         self.flight = {b: (self.grad_sums.pop(b, size[b]) if b in kept else size[b])
                        for b in boundary}
         self.in_flight = sum(self.flight.values())
@@ -369,22 +443,25 @@ class _Backward:
         p, size = self.p, self.p.size
         g = self.flight.pop(n, 0)
         self.in_flight -= g
-        early = [q for q in self.early_free.get(n, ()) if q not in self.kept]
+        early = [o for o in self.early_free.get(n, ())
+                 if o in self.buffers and o not in self.freed]
         if early:   # the weight gradient runs first and frees its input
             self.peak = max(self.peak, self._resident() + g + self.swapped + self.held)
-            self.saved -= sum(size[q] for q in early)
+            self.saved -= sum(size[o] for o in early)
             self.freed.update(early)
         partials = self._input_gradients(n)
         for root, nbytes in p.pieces[n]:
             self.pending[root] += nbytes
             self.held += nbytes
-        base = self._resident() + g + partials + self.swapped
+        # A gradient that passes through (a reshape's) is the same buffer.
+        base = self._resident() + (0 if p.passes[n] else g) + partials + self.swapped
         self.peak = max(self.peak, base + self.held + p.scratch[n])
         self._sum_pieces(n, base)
-        if p.saved[n] and n not in self.freed and n not in self.kept:
+        if n in self.buffers and n not in self.freed:
             self.saved -= size[n]
+            self.freed.add(n)
         if n in self.own:
-            self.alive_kept -= size[n]
+            self.release(n)
 
     def _input_gradients(self, n):
         """Allocate the gradients ``n``'s backward makes for its inputs; returns
