@@ -165,8 +165,10 @@ def test_a_replan_over_the_budget_is_followed_by_the_lowest_plan(plain_peak, mon
                                                                  caplog):
     # The first plan overshoots and the replan's correction is wrong the other
     # way (as ConvNeXtTiny's estimates were): both measure over the budget,
-    # and the lowest plan, measured once more, holds it.
-    target = int(0.5 * plain_peak)
+    # and the lowest plan, measured once more, holds it. (The lowest plan
+    # measures 43-48% of plain's peak, as BFC's free chunks fall: a budget of
+    # half of plain's peak left it within a call's variation of the margin.)
+    target = int(0.6 * plain_peak)
     step = _settled_past_the_budget(target, 1.6, monkeypatch, caplog)
     assert step.loop.last_resort and step.loop.replans == 2
     assert any("planning for the lowest peak" in r.getMessage() and r.levelno == logging.WARNING
