@@ -40,7 +40,6 @@ def test_a_kept_output_nothing_reads_costs_nothing():
     reads: counting it put 61 of 187 estimated MiB on dead tensors)."""
     g = _chain_with(lambda g: _tensor(g, "dead", 1, "a0", saved=False) and None)
     assert simulate_peak(g, ["a1", "dead"]) == simulate_peak(g, ["a1"])
-    assert simulate_peak(g, ["a1", "dead"]) < simulate_peak(g, ["a1"]) + MB
 
 
 def test_a_kept_tensor_only_pruned_copies_read_is_freed_by_the_forward_pass():
