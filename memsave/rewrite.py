@@ -362,7 +362,8 @@ class _Rewrite:
         before, start = len(existing), tf_internal.op_id(existing[-1]) + 1
         boundary_copies = [copies.output(t) for t in boundary]
         grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=self.name,
-                                    stop_gradients=stops, skip=self._earlier_segments(existing),
+                                    stop_gradients=stops,
+                                    skip=self._not_ancestors(existing, boundary_copies),
                                     **self.grad_kwargs)
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
         made_now = graph.get_operations()[before:]
@@ -371,26 +372,31 @@ class _Rewrite:
         reducers_first(made_now)
         return grads_out
 
-    def _earlier_segments(self, existing):
-        """``(graph, first id, end id)`` of the ops earlier segments made, when
-        none can be an ancestor of this segment's copies (so its gradient call
-        need not walk them), else None. ``existing``: the graph's ops now.
+    def _not_ancestors(self, existing, ys):
+        """``(graph, first id, end id)`` of ops that cannot be ancestors of this
+        segment's gradient call's ``ys`` (so the call need not walk them), else
+        None. ``existing``: the graph's ops now.
 
-        Copies read copies, checkpoints and the forward pass, never what an
-        earlier segment made, unless a swap-in or an XLA barrier is shared
-        (checked: no op this segment made reads one), and ops made before the
-        rewrite read nothing made after it, unless a gradient rewires them
-        (while_v2 adds inputs to the loop it differentiates: no walk is left
-        out where the region holds control flow or function calls).
+        An op's inputs exist before it, so they have smaller ids: below the
+        segment's first op, an ancestor of ``ys`` is at most the newest op
+        that an op of this segment reads, or an original y itself. Everything
+        above that and below the segment is skipped: the forward pass past the
+        segment's checkpoints, and what earlier segments made (their copies
+        and gradients). The ids only order creation where nothing rewires an
+        existing op: while_v2 adds inputs to the loop it differentiates, so no
+        walk is left out where the region holds control flow or function calls.
         """
-        spans = self.ledger.spans
-        if not self.prunable or len(spans) < 2:
+        if not self.prunable:
             return None
-        lo, hi = spans[0], spans[-1]
-        made = existing[bisect.bisect_left(existing, hi, key=tf_internal.op_id):]
-        if any(lo <= tf_internal.op_id(t.op) < hi for op in made for t in op.inputs):
+        start = self.ledger.spans[-1]
+        made = existing[bisect.bisect_left(existing, start, key=tf_internal.op_id):]
+        newest = max((tf_internal.op_id(t.op) for op in made for t in op.inputs
+                      if tf_internal.op_id(t.op) < start), default=-1)
+        newest = max([newest] + [tf_internal.op_id(y.op) for y in ys
+                                 if tf_internal.op_id(y.op) < start])
+        if newest + 1 >= start:
             return None
-        return self.region.graph, lo, hi
+        return self.region.graph, newest + 1, start
 
     def _hand_on(self):
         """Fence the running sums the segment changed; the next one waits for them."""
