@@ -28,7 +28,7 @@ import toposort
 
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, functions, optable
-from memsave.graph.edit import barrier, fence
+from memsave.graph.edit import barrier, fence, joined_waits
 from memsave.graph.region import in_place_closure
 from memsave.graph.schedule import reducers_first
 
@@ -369,6 +369,7 @@ class _Rewrite:
         made_now = graph.get_operations()[before:]
         _read_copies(made_now, copies.of)
         _read_kept(made_now, copies, own_values)
+        _gradients_wait(made_now, copies, self.wait, "memsave_%d" % (self.segment - 1))
         reducers_first(made_now)
         return grads_out
 
@@ -496,6 +497,35 @@ def _own_values(own, read_as):
     checkpoints a segment differentiates: the checkpoint, its shield or its
     swap-in."""
     return {t.ref(): read_as.get(t.ref(), t) for t in own}
+
+
+def _gradients_wait(grad_ops, copies, wait_for, scope):
+    """Make a segment's gradient ops wait, as its copies do, for every running
+    sum the segment before changed.
+
+    Waiting copies order recomputation, but a segment's gradient ops need not
+    read any copy that runs: they read the incoming gradients, kept values
+    and copies that :func:`_read_kept` left unread. Where none of its copies
+    runs, nothing made the sums it does not read (a weight's gradient, a
+    bias's) come first, and the executor left those reductions to the end of
+    the step, each holding the large gradient it reduces (keras-hub GPT2 at
+    128 tokens, max_recompute=0.3: 73.8 MiB measured against 59.1
+    estimated, 56.6 with the wait). The ops that read nothing made in the
+    segment wait; the rest run after them.
+    """
+    if not wait_for:
+        return
+    inside = {tf_internal.op_id(op) for op in grad_ops}
+    inside.update(tf_internal.op_id(op) for op in copies.made)
+    roots = [op for op in grad_ops
+             if (op.inputs or op.control_inputs)
+             and not any(tf_internal.op_id(t.op) in inside for t in op.inputs)
+             and not any(tf_internal.op_id(c) in inside for c in op.control_inputs)]
+    if not roots:
+        return
+    waits = [w if isinstance(w, tf.Operation) else w.op for w in wait_for]
+    for op, wait in joined_waits(roots[0].graph, roots, waits, scope).items():
+        tf_internal.add_control_inputs(op, wait)
 
 
 def _read_kept(grad_ops, copies, own_values):

@@ -8,7 +8,9 @@ chain (depth 2,000 > 1,000) would fail here. Timings are printed (run
 pytest with -s to see them).
 
 The per-segment gradient calls each walk their own share of the graph, not
-all of the forward pass after their checkpoints (a 120-layer chain).
+all of the forward pass after their checkpoints (a 120-layer chain), and
+a segment's control edges grow with its copies plus the sums it waits
+for, not with their product.
 """
 
 import sys
@@ -116,5 +118,38 @@ def test_each_segments_gradient_call_walks_only_its_own_ops(monkeypatch):
     share = forward_ops / 12
     assert max(walked) <= 2 * share, (walked, forward_ops)
     assert sum(walked) <= 1.5 * forward_ops, (walked, forward_ops)
+    scale = max(np.abs(p).max() for p in a)
+    assert all(np.abs(p - q).max() <= 1e-5 * scale for p, q in zip(a, b))
+
+
+def test_first_copies_wait_through_one_op_per_segment():
+    """A segment's copies that read no other copy wait for every running sum
+    the segment before changed. Here each layer scales by a reshaped weight
+    (as Keras's batch norm does), so a segment of 10 layers has 11 such
+    copies and waits for about 21 sums: about 230 control edges, where one
+    NoOp in between makes it 11 + 21, in the same order."""
+    rng = np.random.RandomState(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        ws = [tf.Variable((rng.randn(4, 4) * 0.5).astype(np.float32)) for _ in range(60)]
+        gs = [tf.Variable((1 + 0.1 * rng.randn(4)).astype(np.float32)) for _ in range(60)]
+        h = tf.constant(rng.randn(2, 4).astype(np.float32))
+        for w, g in zip(ws, gs):
+            h = tf.tanh(tf.matmul(h, w) * tf.reshape(g, [1, 4]))
+        loss = tf.reduce_sum(h * h)
+        hs = [op.outputs[0] for op in graph.get_operations() if op.type == "Tanh"]
+        before = len(graph.get_operations())
+        ours = memsave.gradients(loss, ws + gs, checkpoints=hs[9::10])
+        made = [op for op in graph.get_operations()[before:]
+                if op.name.startswith("memsave_") and "/gradients" not in op.name]
+        plain = tf.gradients(loss, ws + gs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b = sess.run([plain, ours])
+    joins = [op for op in made if op.type == "NoOp"]
+    assert len(joins) >= 4, [op.name for op in made if op.control_inputs]
+    assert all(len(op.control_inputs) <= 1 for op in made if op.type != "NoOp")
+    edges = sum(len(op.control_inputs) for op in made)
+    assert edges <= 400, edges   # 172 here; each copy waiting for each sum: 1,167
     scale = max(np.abs(p).max() for p in a)
     assert all(np.abs(p - q).max() <= 1e-5 * scale for p, q in zip(a, b))
