@@ -94,9 +94,12 @@ def joined_waits(graph, first, wait_for, scope):
         if (len(ops) - 1) * (len(wait_for) - 1) <= 1:
             waits.update((op, list(wait_for)) for op in ops)
             continue
+        # Named after the first op it serves, so that its name says where it
+        # belongs (a replica's scope, a layer's).
         with graph.name_scope(None), graph.control_dependencies(None):
             join = tf_internal.create_op(graph, "NoOp", [], dtypes=[],
-                                         name="%s/memsave_wait" % scope, compute_device=False)
+                                         name="%s/%s/memsave_wait" % (scope, ops[0].name),
+                                         compute_device=False)
         tf_internal.set_device(join, device)
         tf_internal.add_control_inputs(join, wait_for)
         waits.update((op, [join]) for op in ops)
