@@ -523,8 +523,7 @@ def _gradients_wait(grad_ops, copies, wait_for, scope):
              and not any(tf_internal.op_id(c) in inside for c in op.control_inputs)]
     if not roots:
         return
-    waits = [w if isinstance(w, tf.Operation) else w.op for w in wait_for]
-    for op, wait in joined_waits(roots[0].graph, roots, waits, scope).items():
+    for op, wait in joined_waits(roots[0].graph, roots, wait_for, scope).items():
         tf_internal.add_control_inputs(op, wait)
 
 
