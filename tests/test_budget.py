@@ -322,7 +322,13 @@ def test_scratch_measured_in_the_first_plan_is_modelled_in_the_replan():
     assert again.nodes["a6:0"]["scratch_bytes"] == 30 * mib and loop.first[0] == estimate
 
 
-def test_an_estimate_above_the_measurement_never_plans_above_the_aim():
-    # ConvNeXtTiny's first plan, its scratch modelled, estimated 7% above what
-    # it measured; its replan measured 1% below its estimate.
-    assert budget._correction(120, 100)(100) == pytest.approx(budget.REPLAN_AIM * 100)
+def test_an_estimate_above_the_measurement_is_trusted_up_to_a_bound():
+    # GPT2's plans at 128 tokens estimate 8-11% above what they measure: the
+    # replan may plan above the aim, by the safer reading of the error.
+    aim = budget.REPLAN_AIM * 100
+    assert budget._correction(109, 100)(100) == pytest.approx(min(aim * 1.09, aim + 9))
+    assert budget._correction(109, 100)(100) > aim
+    # Beyond MOST_TRUSTED, no more.
+    most = budget.MOST_TRUSTED
+    assert budget._correction(300, 100)(100) == pytest.approx(
+        min(aim * most, aim + 100 * (most - 1)))
