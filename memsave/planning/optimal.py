@@ -202,32 +202,37 @@ def _dropped_in_order(graph, prepared, order, cap, limit, forced):
             lo = mid + 1
     if not hi:
         return [kept_after(hi)]
-    # Dropping one large tensor can jump far below the limit (EfficientNetB0
-    # under 135 MiB: 135.1 MiB recomputing 13% of a forward pass, one more
-    # dropped 123.1 at 18%): keep it and drop as few of the next ones as fit
-    # instead (doubling, then bisecting; there, 130.6 MiB at 15%).
-    skipped = order[:hi - 1] + order[hi:]
-    more = {}
+    return [kept_after(hi), kept_after(hi - 1)] + _keeping_the_last_dropped(
+        graph, prepared, order, hi, fits)
 
-    def kept_skipping(extra):
-        if extra not in more:
-            more[extra] = recompute_once(graph, [order[hi - 1]] + skipped[hi - 1 + extra:],
-                                         prepared)
-        return more[extra]
 
-    lo, step = 0, 1
-    while hi - 1 + step <= len(skipped) and not fits(kept_skipping(step)):
-        lo, step = step, 2 * step
-    found = [kept_after(hi), kept_after(hi - 1)]
-    if hi - 1 + step > len(skipped):
-        return found
-    while step - lo > 1:
-        mid = (lo + step) // 2
-        if fits(kept_skipping(mid)):
-            step = mid
+def _keeping_the_last_dropped(graph, prepared, order, count, fits):
+    """Dropping one large tensor can jump far below the limit (EfficientNetB0
+    under 135 MiB: 135.1 MiB recomputing 13% of a forward pass, one more
+    dropped 123.1 at 18%): the first ``count`` of ``order`` dropped but the
+    last, kept, and as few of the next ones dropped as ``fits`` (doubling,
+    then bisecting; there, 130.6 MiB at 15%). A list of at most one kept set."""
+    last = order[count - 1]
+    rest = order[:count - 1] + order[count:]
+    made = {}
+
+    def kept_dropping(extra):
+        if extra not in made:
+            made[extra] = recompute_once(graph, [last] + rest[count - 1 + extra:], prepared)
+        return made[extra]
+
+    lo, hi = 0, 1
+    while count - 1 + hi <= len(rest) and not fits(kept_dropping(hi)):
+        lo, hi = hi, 2 * hi
+    if count - 1 + hi > len(rest):
+        return []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(kept_dropping(mid)):
+            hi = mid
         else:
             lo = mid
-    return found + [kept_skipping(step)]
+    return [kept_dropping(hi)]
 
 
 def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None):
