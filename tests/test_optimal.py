@@ -16,7 +16,7 @@ from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
 from memsave.planning.strategies import forward_work, speed
 from memsave.profile import estimate_peak, peak_memory, session_step
 from tests import models
-from tests.builders import gelu, tanh_chain
+from tests.builders import gelu, plan_chain, tanh_chain
 from tests.helpers import assert_same_as_plain
 from tests.test_memory import ACTIVATION, _chain, _resnet
 
@@ -310,22 +310,17 @@ def test_budgets_and_caps_blend_the_lowest_cuts_with_the_convolutions_kept():
 
 
 def _chain_with_one_large_tensor(n=40, at=1):
-    """A tanh chain of 1 MiB activations, one of 8 MiB; that one is the cheapest
-    to recompute per byte (1 FLOP per byte, the others 3)."""
-    mib = 2 ** 20
-    g = PlanGraph()
-    g.add_tensor("x", order=-1, bytes=0, elements=0, cost=1.0, x=True, op_type="MatMul")
-    prev = "x"
+    """A tanh chain of 1 MiB activations (tests.builders.plan_chain), one of 8
+    MiB; that one is the cheapest to recompute per byte (1 FLOP per byte,
+    the others 3)."""
+    g = plan_chain(n)
     for i in range(n):
-        size = 8 * mib if i == at else mib
-        name = "a%d" % i
-        g.add_tensor(name, order=i, elements=size // 4, bytes=size,
-                     cost=float(size * (1 if i == at else 3)), op_type="Tanh",
-                     candidate=True, saved=True, grad_reads_output=True)
-        g.add_edge(prev, name)
-        prev = name
-    g.add_tensor("y", order=n, elements=1, bytes=4, cost=1.0, op_type="Sum", y=True)
-    g.add_edge(prev, "y")
+        node = g.nodes["a%d" % i]
+        if i == at:
+            node["bytes"] *= 8
+            node["elements"] *= 8
+        node["cost"] = float(node["bytes"] * (1 if i == at else 3))
+        node["grad_reads_output"] = True
     return g
 
 

@@ -163,13 +163,7 @@ def _dropped_in_order(graph, prepared, order, cap, limit, forced):
     (:func:`recompute_once`). The count dropped is binary-searched (under a
     cap, a few smaller counts compete on the peak estimate).
     """
-    made = {}
-
-    def kept_after(count):
-        if count not in made:
-            made[count] = recompute_once(graph, order[count:], prepared)
-        return made[count]
-
+    kept_after = _kept_suffixes(graph, prepared, order)
     if cap is not None:
         lo, hi = 0, len(order)
         while lo < hi:   # the most dropped whose recomputation is under the cap
@@ -206,33 +200,40 @@ def _dropped_in_order(graph, prepared, order, cap, limit, forced):
         graph, prepared, order, hi, fits)
 
 
+def _kept_suffixes(graph, prepared, order):
+    """``count -> order`` less its first ``count``, grown by :func:`recompute_once`
+    (each count made once)."""
+    made = {}
+
+    def kept_after(count):
+        if count not in made:
+            made[count] = recompute_once(graph, order[count:], prepared)
+        return made[count]
+    return kept_after
+
+
 def _keeping_the_last_dropped(graph, prepared, order, count, fits):
     """Dropping one large tensor can jump far below the limit (EfficientNetB0
     under 135 MiB: 135.1 MiB recomputing 13% of a forward pass, one more
     dropped 123.1 at 18%): the first ``count`` of ``order`` dropped but the
     last, kept, and as few of the next ones dropped as ``fits`` (doubling,
     then bisecting; there, 130.6 MiB at 15%). A list of at most one kept set."""
-    last = order[count - 1]
-    rest = order[:count - 1] + order[count:]
-    made = {}
-
-    def kept_dropping(extra):
-        if extra not in made:
-            made[extra] = recompute_once(graph, [last] + rest[count - 1 + extra:], prepared)
-        return made[extra]
-
+    # The last one dropped moves to the end of the order: never dropped.
+    moved = order[:count - 1] + order[count:] + [order[count - 1]]
+    kept_after = _kept_suffixes(graph, prepared, moved)
+    first, most = count - 1, len(moved) - 1
     lo, hi = 0, 1
-    while count - 1 + hi <= len(rest) and not fits(kept_dropping(hi)):
+    while first + hi <= most and not fits(kept_after(first + hi)):
         lo, hi = hi, 2 * hi
-    if count - 1 + hi > len(rest):
+    if first + hi > most:
         return []
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(kept_dropping(mid)):
+        if fits(kept_after(first + mid)):
             hi = mid
         else:
             lo = mid
-    return [kept_dropping(hi)]
+    return [kept_after(first + hi)]
 
 
 def plans(graph, values=8, prefer_speed=False, offload_model=None, prepared=None):
@@ -472,10 +473,9 @@ def _fills(graph, prepared, forced, options, limit, tries=3):
     (19%), none between; with the blends, a 67 MiB target gets 66 MiB at
     24% and a 70 MiB one 69 MiB at 22%.
     """
-    fitting = [p for p in options if p[0] <= limit]
-    if not fitting:
+    chosen = _fastest_fitting(options, limit)
+    if chosen is None:
         return []
-    chosen = min(fitting, key=lambda p: (p[1], p[0]))
     faster = {}
     for p in sorted(options, key=lambda p: p[0]):
         if p[0] > limit and p[1] < chosen[1] and len(faster) < tries:
@@ -510,8 +510,8 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
     that fit it (:class:`BudgetError` when none does)."""
     if limit is None:
         return min(options, key=lambda p: (p[0], p[1]))
-    fitting = [p for p in options if p[0] <= limit]
-    if not fitting:
+    chosen = _fastest_fitting(options, limit)
+    if chosen is None:
         error = BudgetError(
             "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
             "(plain: %.1f MB)%s" % (
@@ -523,4 +523,10 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
         error.smallest = min((p[0] for p in options), default=None)
         error.offload_hint = not offload
         raise error
-    return min(fitting, key=lambda p: (p[1], p[0]))
+    return chosen
+
+
+def _fastest_fitting(options, limit):
+    """The option that fits ``limit`` with the least time (then the lowest
+    peak), or None."""
+    return min((p for p in options if p[0] <= limit), key=lambda p: (p[1], p[0]), default=None)
