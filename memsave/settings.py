@@ -71,7 +71,7 @@ class Settings:
 
     checkpoints: Checkpoints
     budget: float = None           # bytes, or a fraction of plain's peak when < 1
-    max_recompute: float = None    # fraction of one forward pass
+    max_recompute: float = None    # fraction of a training step's work
     offload: object = None         # None, 'auto' or a tuple of tensors
     fallback: bool = True
     min_checkpoint_size: int = 1024
@@ -202,8 +202,8 @@ def _budget(value):
 
 def _max_recompute(value):
     if value is not None and (not _number(value) or value < 0):
-        raise ValueError("max_recompute must be a fraction of one forward pass >= 0 (0.1: at "
-                         "most 10%% extra forward work), got %r" % (value,))
+        raise ValueError("max_recompute must be a fraction of a training step's work >= 0 "
+                         "(0.05: at most 5%% extra work), got %r" % (value,))
     return value
 
 

@@ -71,8 +71,8 @@ def test_zoo_benchmark_quick(tmp_path):
         assert row.get("error") or row["peak_median"] > 0
     rows = {r["config"]: r for r in data["summary"]}
     # Which rows ran memsave's rewrite is read from memsave's own log: the
-    # default rewrites GPT2, and so does a cap of 10% of a forward pass (what
-    # plain keeps less the GELUs' intermediates, recomputed).
+    # default rewrites GPT2, and so does a cap of 10% of a training step
+    # (what plain keeps less the GELUs' intermediates, recomputed).
     assert not rows["plain"]["fell_back"] and not rows["optimal (default)"]["fell_back"]
     assert not rows["optimal, max_recompute=0.1"]["fell_back"]
     # A byte budget, 0.7 x plain's measured peak, kept on the allocator.

@@ -207,14 +207,14 @@ def test_gelu_chain_plain_estimate():
 
 
 @pytest.mark.real_models
-@pytest.mark.parametrize("cap", [0.1, 0.3])
+@pytest.mark.parametrize("cap", [0.03, 0.1])
 def test_weight_gradients_are_reduced_in_their_segment(cap):
     """keras-hub GPT2 (4 layers, 256 wide, 128 tokens, batch 8) under capped
     plans, which keep much and recompute little: many segments run no copy,
     as their gradients read only kept values. Their weights' and biases'
     gradient reductions must still run in their segment, as the estimate
     assumes, not at the end of the step, each holding the feed-forward
-    gradient it reduces: with max_recompute=0.3 that measured 73.8 MiB
+    gradient it reduces: with max_recompute=0.1 that measured 73.8 MiB
     against an estimate of 59.1 (now 56.6)."""
     pytest.importorskip("keras_hub")
     from benchmarks.zoo import _build   # pylint: disable=import-outside-toplevel

@@ -24,7 +24,7 @@ from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
 from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
-from memsave.planning.strategies import (forward_work, memory, recompute_once,
+from memsave.planning.strategies import (memory, recompute_once, step_work,
                                          speed_candidates)
 
 logger = logging.getLogger("memsave")
@@ -214,10 +214,10 @@ def _kept_suffixes(graph, prepared, order):
 
 def _keeping_the_last_dropped(graph, prepared, order, count, fits):
     """Dropping one large tensor can jump far below the limit (EfficientNetB0
-    under 135 MiB: 135.1 MiB recomputing 13% of a forward pass, one more
-    dropped 123.1 at 18%): the first ``count`` of ``order`` dropped but the
+    under 135 MiB: 135.1 MiB recomputing 4.3% of a training step, one more
+    dropped 123.1 at 6%): the first ``count`` of ``order`` dropped but the
     last, kept, and as few of the next ones dropped as ``fits`` (doubling,
-    then bisecting; there, 130.6 MiB at 15%). A list of at most one kept set."""
+    then bisecting; there, 130.6 MiB at 5%). A list of at most one kept set."""
     # The last one dropped moves to the end of the order: never dropped.
     moved = order[:count - 1] + order[count:] + [order[count - 1]]
     kept_after = _kept_suffixes(graph, prepared, moved)
@@ -305,7 +305,8 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     the least extra time. Estimates come from :func:`simulate_peak`.
 
     ``max_recompute`` caps the recomputed FLOPs, as a fraction of one
-    forward pass (0.1: at most 10% extra forward work): among the plans
+    training step's work (0.05: at most 5% extra work, see
+    :func:`~memsave.planning.strategies.step_work`): among the plans
     under the cap, the lowest peak (with ``budget`` too: the least time
     among those that fit both).
 
@@ -320,8 +321,8 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     prepared = prepare(graph)
     plain = simulate_peak(graph, (), prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
-    forward = forward_work(graph) or 1.0
-    cap = None if max_recompute is None else max_recompute * forward
+    step = step_work(graph)
+    cap = None if max_recompute is None else max_recompute * step
     # Every matmul/conv output kept, recomputing only the cheap ops between
     # them: a candidate under a budget or cap, and an end of the blends.
     fast = (None if limit is None and cap is None
@@ -343,14 +344,14 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
         # Only plain backprop recomputes nothing at all (forced tensors are
         # kept there anyway): an empty plan.
         return Plan("optimal", [], [], int(plain), int(plain),
-                    ["no checkpointed plan recomputes at most %.0f%% of a forward pass: "
+                    ["no checkpointed plan recomputes at most %g%% of a training step: "
                      "plain backprop" % (100 * max_recompute)], recompute_fraction=0.0)
     peak, _, kept, off, flops = _choose(options, limit, cap, plain, max_recompute, offload)
     notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
     if cap is not None:
-        notes.append("recompute capped at %.0f%% of a forward pass" % (100 * max_recompute))
+        notes.append("recompute capped at %g%% of a training step" % (100 * max_recompute))
     return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
-                recompute_fraction=flops / forward,
+                recompute_fraction=flops / step,
                 offloaded=off, host_bytes=host_bytes(graph, off))
 
 
@@ -364,8 +365,8 @@ def _check_options(budget, offload, max_recompute):
                          "'auto', got %r" % (offload,))
     if max_recompute is not None and (isinstance(max_recompute, bool) or not isinstance(
             max_recompute, (int, float)) or max_recompute < 0):
-        raise ValueError("max_recompute must be a fraction of one forward pass >= 0 (0.1: at "
-                         "most 10%% extra forward FLOPs), got %r" % (max_recompute,))
+        raise ValueError("max_recompute must be a fraction of a training step's work >= 0 "
+                         "(0.05: at most 5%% extra work), got %r" % (max_recompute,))
 
 
 def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fast):
@@ -419,12 +420,13 @@ def _blends(graph, prepared, forced, low, fast, limit, cap):
     tensors on one side of a split position in topological order, ``fast``'s
     on the other.
 
-    The DP's plans recompute about one forward pass and the speed set almost
-    nothing; in between, recomputing only where activations are large for
-    their FLOPs (a CNN's first stages) cuts most of the peak for part of the
-    work (ResNet50 at 128 px: 60% of plain's estimate recomputing 28% of a
-    forward pass, where the DP's plans recompute 90%). Taking more of ``low``
-    lowers the peak and adds recomputation, so for each side the split is
+    The DP's plans recompute about one forward pass (a third of a step) and
+    the speed set almost nothing; in between, recomputing only where
+    activations are large for their FLOPs (a CNN's first stages) cuts most
+    of the peak for part of the work (ResNet50 at 128 px: 60% of plain's
+    estimate recomputing 9% of a step, where the DP's plans recompute 30%).
+    Taking more of ``low`` lowers the peak and adds recomputation, so for
+    each side the split is
     bisected: the least of ``low`` that fits ``limit``, or under ``cap``
     alone the most of ``low`` within it. Returns the kept sets tried.
 
@@ -469,9 +471,9 @@ def _fills(graph, prepared, forced, options, limit, tries=3):
     ``tries`` lowest plans that are faster but over it.
 
     The candidates are far apart on a transformer: GPT2 (128 tokens) had
-    plans estimated at 62 MiB (recomputing 30% of a forward pass) and 79
-    (19%), none between; with the blends, a 67 MiB target gets 66 MiB at
-    24% and a 70 MiB one 69 MiB at 22%.
+    plans estimated at 62 MiB (recomputing 10% of a training step) and 79
+    (6.3%), none between; with the blends, a 67 MiB target gets 66 MiB at
+    8% and a 70 MiB one 69 MiB at 7.3%.
     """
     chosen = _fastest_fitting(options, limit)
     if chosen is None:
@@ -516,7 +518,7 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
             "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
             "(plain: %.1f MB)%s" % (
                 limit / 2**20, "" if cap is None else
-                " recomputing at most %.0f%% of a forward pass" % (100 * max_recompute),
+                " recomputing at most %g%% of a training step" % (100 * max_recompute),
                 "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
                 plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
         # For memsave.budget, which restates the error in the budget's terms.

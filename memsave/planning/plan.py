@@ -24,7 +24,7 @@ class Plan:
     estimated_peak_bytes: int = 0
     plain_peak_bytes: int = 0
     notes: list = dataclasses.field(default_factory=list)
-    recompute_fraction: float = None  # recomputed FLOPs / one forward pass, if estimated
+    recompute_fraction: float = None  # recomputed work / a training step's, if estimated
     offloaded: list = dataclasses.field(default_factory=list)   # kept in host memory
     host_bytes: int = 0   # host memory the offloaded tensors take
     unknown_dims: int = 0   # tensors sized with a guess for some dimension
@@ -51,7 +51,8 @@ class Plan:
             lines.append("  offloads %d tensor(s) to the host: %s" % (
                 len(self.offloaded), mb(self.host_bytes)))
         if self.recompute_fraction is not None:
-            lines.append("  recomputes about %.0f%% of one forward pass" % (100 * self.recompute_fraction))
+            lines.append("  recomputes about %.1f%% of a training step's work"
+                         % (100 * self.recompute_fraction))
         shown = ", ".join(self.checkpoints[:8]) + (" ..." if len(self.checkpoints) > 8 else "")
         if shown:
             lines.append("  checkpoints: " + shown)

@@ -34,12 +34,25 @@ def plan_for(graph, chosen, strategy, notes=()):
     work = recompute_cost(graph, chosen, prepared) if chosen or forced else 0.0
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
                 estimated_peak_bytes=peak, plain_peak_bytes=plain, notes=list(notes),
-                recompute_fraction=work / (forward_work(graph) or 1.0))
+                recompute_fraction=work / step_work(graph))
+
+
+# A training step in forward passes: a matmul's or convolution's backward
+# computes the gradients of both operands, about twice its forward FLOPs.
+# Recompute fractions and max_recompute count in steps, what a user sees as
+# step time (Megatron-LM states its selective recomputation's cost so too).
+FORWARDS_PER_STEP = 3.0
 
 
 def forward_work(graph):
-    """The work of one forward pass (``cost`` summed): what recompute fractions count in."""
+    """The work of one forward pass (``cost`` summed)."""
     return sum(d["cost"] for _, d in graph.nodes(data=True) if not d["x"])
+
+
+def step_work(graph):
+    """The work of one training step, :data:`FORWARDS_PER_STEP` forward passes:
+    what recompute fractions and ``max_recompute`` count in."""
+    return FORWARDS_PER_STEP * (forward_work(graph) or 1.0)
 
 
 def with_offload(graph, plan, names=None, model=None):
