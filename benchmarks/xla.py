@@ -31,7 +31,7 @@ from benchmarks.zoo import error_line  # noqa: E402
 
 MODELS = ("chain", "ResNet50", "GPT2", "BERT")
 STRATEGIES = (("optimal", {}), ("memory", {}), ("speed", {}), ("optimal", {"budget": 0.5}),
-              ("optimal", {"max_recompute": 0.05}), ("optimal", {"max_recompute": 0.1}))
+              ("optimal", {"max_recompute": 0.02}), ("optimal", {"max_recompute": 0.05}))
 MIB = 2.0 ** 20
 
 # The chain: 32 layers of tanh(h @ W), 256 units, batch 4096 (4 MiB per activation).
