@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.models
 	$(PY) -m benchmarks.rewrite_speed
 	$(PY) -m benchmarks.plan_speed
+	$(PY) -m benchmarks.op_rates
 	$(PY) -m benchmarks.reversible
 	$(PY) -m benchmarks.xla
 	$(PY) examples/unet.py

@@ -35,6 +35,16 @@ def test_plan_speed_benchmark_tiny(tmp_path):
     assert {r["strategy"] for r in rows} == {"memory", "optimal"}
 
 
+def test_op_rates_benchmark_quick(tmp_path):
+    _run(["benchmarks.op_rates", "--quick"], tmp_path)
+    data = json.loads((tmp_path / "op_rates_quick.json").read_text())
+    rows = {r["op"]: r for r in data["rows"]}
+    assert rows["conv 3x3"]["measured_over_modeled"] == pytest.approx(1.0)
+    assert {"softmax (last axis)", "batch-norm moments (mean, squared difference, mean)"} <= set(rows)
+    assert all(r["modeled"] > 0 and r["seconds"] > 0 for r in rows.values())
+    assert "| op |" in (tmp_path / "op_rates_quick.md").read_text()
+
+
 @pytest.mark.slow   # 30 s; test_optimal measures the same U-Nets
 @pytest.mark.parametrize("script", ["examples/unet.py"])
 def test_examples_run(script):
