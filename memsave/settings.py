@@ -21,6 +21,7 @@ import warnings
 
 from memsave.planning import registry
 from memsave.planning.offload import OffloadModel
+from memsave.planning.strategies import MAX_RECOMPUTE_ERROR
 
 COLLECTION = "collection"   # checkpoints= the graph's 'checkpoints' collection
 
@@ -202,8 +203,7 @@ def _budget(value):
 
 def _max_recompute(value):
     if value is not None and (not _number(value) or value < 0):
-        raise ValueError("max_recompute must be a fraction of a training step's work >= 0 "
-                         "(0.05: at most 5%% extra work), got %r" % (value,))
+        raise ValueError(MAX_RECOMPUTE_ERROR % (value,))
     return value
 
 

@@ -24,8 +24,8 @@ from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
 from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
-from memsave.planning.strategies import (memory, recompute_once, step_work,
-                                         speed_candidates)
+from memsave.planning.strategies import (MAX_RECOMPUTE_ERROR, memory, recompute_once,
+                                         speed_candidates, step_work)
 
 logger = logging.getLogger("memsave")
 
@@ -365,8 +365,7 @@ def _check_options(budget, offload, max_recompute):
                          "'auto', got %r" % (offload,))
     if max_recompute is not None and (isinstance(max_recompute, bool) or not isinstance(
             max_recompute, (int, float)) or max_recompute < 0):
-        raise ValueError("max_recompute must be a fraction of a training step's work >= 0 "
-                         "(0.05: at most 5%% extra work), got %r" % (max_recompute,))
+        raise ValueError(MAX_RECOMPUTE_ERROR % (max_recompute,))
 
 
 def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fast):

@@ -49,6 +49,12 @@ def forward_work(graph):
     return sum(d["cost"] for _, d in graph.nodes(data=True) if not d["x"])
 
 
+# The one wording of a bad max_recompute, for the options' check at call time
+# (memsave.settings) and optimal()'s own (called directly on a PlanGraph).
+MAX_RECOMPUTE_ERROR = ("max_recompute must be a fraction of a training step's work >= 0 "
+                       "(0.05: at most 5%% extra work), got %r")
+
+
 def step_work(graph):
     """The work of one training step, :data:`FORWARDS_PER_STEP` forward passes:
     what recompute fractions and ``max_recompute`` count in."""
