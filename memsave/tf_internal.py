@@ -337,6 +337,25 @@ def is_function_call(op):
             or op.graph._is_function(op.type))  # pylint: disable=protected-access
 
 
+def called_graph(op):
+    """The FuncGraph a function call ``op`` runs, looked up in its graph and
+    the graphs around it; None if not a call or not found (a function
+    loaded from a SavedModel has no graph)."""
+    if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+        name = op.get_attr("f").name
+    elif op.graph._is_function(op.type):  # pylint: disable=protected-access
+        name = op.type
+    else:
+        return None
+    graph = op.graph
+    while graph is not None:
+        function = graph._get_function(name)  # pylint: disable=protected-access
+        if function is not None:
+            return getattr(function, "graph", None)
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
 def graph_functions(graph):
     """The functions registered in ``graph`` itself (not its outer graphs)."""
     return list(graph._functions.values())  # pylint: disable=protected-access

@@ -42,7 +42,13 @@ def test_op_rates_benchmark_quick(tmp_path):
     assert rows["conv 3x3"]["measured_over_modeled"] == pytest.approx(1.0)
     assert {"softmax (last axis)", "batch-norm moments (mean, squared difference, mean)"} <= set(rows)
     assert all(r["modeled"] > 0 and r["seconds"] > 0 for r in rows.values())
-    assert "| op |" in (tmp_path / "op_rates_quick.md").read_text()
+    models = {m["model"]: m for m in data["models"]}
+    assert set(models) == {"MobileNetV2", "GPT2"}
+    assert models["GPT2"]["parts"]["softmax_bytes"] > 0 < models["MobileNetV2"]["parts"]["flops"]
+    assert all(m["seconds"] > 0 and m["work_per_second"] > 0 for m in models.values())
+    assert data["fitted"]["other"] is None or data["fitted"]["other"] >= 0
+    text = (tmp_path / "op_rates_quick.md").read_text()
+    assert "| op |" in text and "| model |" in text
 
 
 @pytest.mark.slow   # 30 s; test_optimal measures the same U-Nets

@@ -363,7 +363,7 @@ def test_a_budget_between_candidate_plans_is_spent_on_less_recomputation(monkeyp
 
 
 def test_a_tight_cap_drops_what_plain_keeps_that_is_cheapest_to_recompute():
-    """Under a tight cap (1.7% of a step) a transformer block at a long sequence keeps
+    """Under a tight cap (1-2% of a step) a transformer block at a long sequence keeps
     most of what plain backprop keeps and recomputes the GELU's
     intermediates and, where the cap allows, a softmax from the scores'
     matmul: below plain's estimate, never above the cap (plans that start
@@ -371,7 +371,7 @@ def test_a_tight_cap_drops_what_plain_keeps_that_is_cheapest_to_recompute():
     from tests.test_recompute_cost import _attention   # pylint: disable=C0415
     graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
     with graph.as_default():
-        for cap in (0.007, 0.017):
+        for cap in (0.01, 0.02):
             plan = memsave.plan(loss, weights, checkpoints="optimal", max_recompute=cap)
             assert plan.kept and plan.recompute_fraction <= cap, plan.summary()
             assert plan.estimated_peak_bytes < 0.9 * plan.plain_peak_bytes, plan.summary()

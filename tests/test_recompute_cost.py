@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.graph.region import FLOPS_PER_BYTE, op_cost
+from memsave import tf_internal
+from memsave.graph.region import BYTE_COST, op_cost
 from memsave.planning import simulate
 from memsave.planning.strategies import step_work
 from tests import builders
@@ -108,14 +109,41 @@ def test_recompute_cap_holds_on_the_copies_made():
 
 
 def test_elementwise_cost_counts_bytes_moved():
-    """An elementwise op moves bytes: it costs more than one FLOP per element."""
+    """An elementwise op moves bytes: it costs more than one FLOP per element,
+    and a byte costs it more than a matmul (whose FLOPs hide its traffic);
+    softmax more still."""
     with tf.Graph().as_default():
         a = tf.zeros([1000])
         b = tf.zeros([1000])
         add = a + b
         mm = tf.matmul(tf.zeros([100, 50]), tf.zeros([50, 20]))
-    assert op_cost(add.op) == 1000 + FLOPS_PER_BYTE * 3 * 4000
-    assert op_cost(mm.op) == 2 * 100 * 20 * 50 + FLOPS_PER_BYTE * 4 * (5000 + 1000 + 2000)
+        soft = tf.nn.softmax(b)
+    assert op_cost(add.op) == 1000 + BYTE_COST["other"] * 3 * 4000
+    assert op_cost(mm.op) == 2 * 100 * 20 * 50 + BYTE_COST["dense"] * 4 * (5000 + 1000 + 2000)
+    assert op_cost(soft.op) == 1000 + BYTE_COST["softmax"] * 2 * 4000
+    assert BYTE_COST["softmax"] > BYTE_COST["other"] > BYTE_COST["dense"]
+
+
+def test_a_reshape_costs_nothing_and_a_call_costs_its_body():
+    """A reshape's output is its input's buffer: recomputing it moves nothing.
+    A function call (Keras runs grouped convolutions as XLA-compiled calls)
+    costs the ops it runs, not one FLOP per output element."""
+    @tf.function(jit_compile=True)
+    def depthwise(x, w):
+        return tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME")
+
+    @tf.function
+    def step(x, w):
+        return tf.reshape(depthwise(x, w), [-1])
+
+    graph = step.get_concrete_function(tf.TensorSpec([2, 8, 8, 4]),
+                                       tf.TensorSpec([7, 7, 4, 1])).graph
+    ops = {op.type: op for op in graph.get_operations()}
+    call = ops.get("StatefulPartitionedCall", ops.get("PartitionedCall"))
+    assert op_cost(ops["Reshape"]) == 0
+    inner = next(op for op in tf_internal.called_graph(call).get_operations()
+                 if op.type == "DepthwiseConv2dNative")
+    assert op_cost(call) == op_cost(inner) > 2 * (2 * 8 * 8 * 4) * 49
 
 
 def _saved(ys, xs):
@@ -165,11 +193,12 @@ def test_einsum_cost_counts_the_contracted_axes():
         scores = tf.einsum("bqhd,bkhd->bhqk", q, k)
         proj = tf.einsum("...c,cd->...d", tf.zeros([2, 16, 24]), tf.zeros([24, 10]))
         outer = tf.einsum("i,j->ij", tf.zeros([5]), tf.zeros([7]))
-    moved = FLOPS_PER_BYTE * 4 * (2 * 16 * 4 * 8 + 2 * 32 * 4 * 8 + 2 * 4 * 16 * 32)
+    byte = BYTE_COST["dense"]
+    moved = byte * 4 * (2 * 16 * 4 * 8 + 2 * 32 * 4 * 8 + 2 * 4 * 16 * 32)
     assert op_cost(scores.op) == 2 * (2 * 4 * 16 * 32) * 8 + moved
-    assert op_cost(proj.op) == 2 * (2 * 16 * 10) * 24 + FLOPS_PER_BYTE * 4 * (
+    assert op_cost(proj.op) == 2 * (2 * 16 * 10) * 24 + byte * 4 * (
         2 * 16 * 24 + 24 * 10 + 2 * 16 * 10)
-    assert op_cost(outer.op) == 2 * 35 + FLOPS_PER_BYTE * 4 * (5 + 7 + 35)
+    assert op_cost(outer.op) == 2 * 35 + byte * 4 * (5 + 7 + 35)
 
 
 def _attention(seq=64, width=32, heads=2, layers=2):

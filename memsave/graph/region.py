@@ -161,19 +161,60 @@ def num_elements(shape, unknown_dim=1):
     return n
 
 
-# Memory traffic in FLOP-equivalents: a step's elementwise ops (layer norm,
-# GELU, softmax) move bytes, not FLOPs, and cost far more than one FLOP per
-# element. Measured on the CI CPU (TF 2.21, 2 cores, in a BERT step): matmuls
-# run at about 120 GFLOP/s, elementwise ops at about 45 GB/s; a GPU's ratio
-# is higher, so this undercounts elementwise work there.
-FLOPS_PER_BYTE = 2.5
+# Work in FLOP-equivalents, per op kind: a matmul's or convolution's FLOPs,
+# and for every op the bytes it reads and writes, at a price per byte that
+# depends on what bounds it. Measured by ``benchmarks/op_rates.py`` (TF 2.21,
+# float32, the CI CPU): in the zoo's forward passes matmuls and convolutions
+# run at about the same FLOP rate, and an op that is neither is bound by its
+# memory traffic: least-squares fits of the models' times give 6-17 FLOPs'
+# time per byte (the small CNNs' times vary between runs). The model takes
+# 6, at which the zoo's recompute caps hold their step time; alone, softmax
+# moves a byte 1.5x slower than an elementwise op. With these prices one
+# rate of work per second fits the models within 1.5-1.7x (a flat 2.5 per
+# byte: 2.3-2.5x, elementwise-heavy models running slower than modeled).
+# Under XLA an op fused into its readers costs nothing to recompute
+# (``fused_under_xla``).
+BYTE_COST = {"dense": 2.5, "softmax": 9.0, "other": 6.0}
+SOFTMAXES = frozenset({"Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits",
+                       "SparseSoftmaxCrossEntropyWithLogits"})
+
+
+def cost_kind(op_type):
+    """Which :data:`BYTE_COST` prices an op type's bytes."""
+    if (op_type in optable.MATMULS or op_type == "Einsum" or op_type.startswith("Conv")
+            or op_type == "DepthwiseConv2dNative"):
+        return "dense"
+    return "softmax" if op_type in SOFTMAXES else "other"
 
 
 def op_cost(op, shape_of=lambda t: t.shape):
     """Work to recompute ``op`` in FLOP-equivalents: FLOPs (exact-ish for
     matmul/conv, one per output element otherwise) plus the bytes it reads
-    and writes at :data:`FLOPS_PER_BYTE` each."""
-    return _flops(op, shape_of) + FLOPS_PER_BYTE * _bytes_moved(op, shape_of)
+    and writes at its kind's :data:`BYTE_COST` (see :func:`cost_parts`)."""
+    flops, moved = cost_parts(op, shape_of)
+    return flops + sum(BYTE_COST[kind] * n for kind, n in moved.items())
+
+
+# Ops that run no kernel worth counting: inputs, constants, variable reads.
+_FREE = frozenset({"Placeholder", "Const", "NoOp", "ReadVariableOp", "VarHandleOp"})
+
+
+def cost_parts(op, shape_of=lambda t: t.shape):
+    """``(FLOPs, {cost kind: bytes moved})`` of ``op``. An op whose outputs
+    are its inputs' buffers (a reshape) moves nothing; a function call
+    counts its body (Keras compiles grouped convolutions into calls)."""
+    if op.type in _FREE or (op.outputs and all(
+            optable.forwarded_input(op, k) is not None for k in range(len(op.outputs)))):
+        return 0.0, {}
+    body = tf_internal.called_graph(op) if tf_internal.is_function_call(op) else None
+    if body is not None:
+        flops, moved = 0.0, collections.Counter()
+        for inner in body.get_operations():
+            inner_flops, inner_moved = cost_parts(inner)
+            flops += inner_flops
+            moved.update(inner_moved)
+        return flops, dict(moved)
+    return _flops(op, shape_of), {cost_kind(op.type): _bytes_moved(op, shape_of)}
 
 
 def _bytes_moved(op, shape_of):

@@ -8,7 +8,8 @@ overlap with compute; recomputing costs compute time on the critical path.
 
 The cost model here is deliberately simple, per tensor:
 
-* recompute seconds = FLOPs of its op / ``device_flops``;
+* recompute seconds = work of its op (FLOP-equivalents, the planning
+  graph's ``cost``) / ``device_flops``;
 * transfer seconds = bytes / ``host_bandwidth`` (the swap-in is exposed, the
   swap-out overlaps the rest of the forward pass).
 
@@ -20,7 +21,7 @@ elementwise outputs are better recomputed.
 import dataclasses
 
 # PCIe 4.0 x16 moves about 25 GB/s in practice; a current GPU runs float32
-# matmuls and convolutions at about 15 TFLOP/s.
+# convolutions at about 15 TFLOP/s (a FLOP-equivalent is a convolution's FLOP).
 DEFAULT_HOST_BANDWIDTH = 25e9
 DEFAULT_DEVICE_FLOPS = 1.5e13
 

@@ -114,7 +114,7 @@ def _kept(nodes, last_use, candidate, cuts):
 def _selective(graph, prepared, cap=None, limit=None, forced=()):
     """Kept sets that keep every candidate but the cheapest to recompute per
     byte, each by its own cost: elementwise outputs (layer norm, GELU,
-    softmax: a few FLOP-equivalents per byte) go first, then matmuls over
+    softmax: 6-9 FLOP-equivalents per byte) go first, then matmuls over
     short inner dimensions (attention scores). See :func:`_dropped_in_order`.
     """
     nodes = graph.nodes
