@@ -166,9 +166,9 @@ def num_elements(shape, unknown_dim=1):
 # depends on what bounds it. Measured by ``benchmarks/op_rates.py`` (TF 2.21,
 # float32, the CI CPU): in the zoo's forward passes matmuls and convolutions
 # run at about the same FLOP rate, and an op that is neither is bound by its
-# memory traffic: least-squares fits of the models' times give 6-17 FLOPs'
-# time per byte (the small CNNs' times vary between runs). The model takes
-# 6, at which the zoo's recompute caps hold their step time; alone, softmax
+# memory traffic: a least-squares fit of the models' times gives 9-17 FLOPs'
+# time per byte over runs (the small CNNs' times vary). The model takes 6,
+# lower, at which the zoo's recompute caps hold their step time; alone, softmax
 # moves a byte 1.5x slower than an elementwise op. With these prices one
 # rate of work per second fits the models within 1.5-1.7x (a flat 2.5 per
 # byte: 2.3-2.5x, elementwise-heavy models running slower than modeled).
