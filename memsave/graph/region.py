@@ -196,7 +196,7 @@ def op_cost(op, shape_of=lambda t: t.shape):
 
 
 # Ops that run no kernel worth counting: inputs, constants, variable reads.
-_FREE = frozenset({"Placeholder", "Const", "NoOp", "ReadVariableOp", "VarHandleOp"})
+_FREE = frozenset({"Placeholder", "Const", "NoOp", "VarHandleOp"}) | optable.INPUT_READS
 
 
 def cost_parts(op, shape_of=lambda t: t.shape):
