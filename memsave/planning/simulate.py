@@ -282,14 +282,16 @@ def _recompute_cost(graph, p, idx):
 
 def _copies_that_run(p, members, idx):
     """The ``members`` of one segment whose copies run (see :func:`recompute_cost`)."""
-    stack = [n for n in members if n not in idx and p.saved[n]]
+    inside = members if isinstance(members, (set, frozenset)) else set(members)
+    saved, preds, aliases, forced = p.saved, p.preds, p.aliases, p.forced
+    stack = [n for n in inside if saved[n] and n not in idx]
     run = set()
     while stack:
         n = stack.pop()
-        if n in run or n in p.aliases or n in p.forced:
+        if n in run or n in aliases or n in forced:
             continue
         run.add(n)
-        stack.extend(q for q in p.preds[n] if q in members and q not in idx)
+        stack.extend(q for q in preds[n] if q in inside and q not in idx)
     return run
 
 
@@ -303,7 +305,7 @@ def shared_recomputation(graph, kept, prepared=None):
     idx = kept_indices(p, kept)
     counts = collections.Counter()
     for members in rewrite_segments(p, idx):
-        counts.update(n for n in members if n not in idx)
+        counts.update(members - idx)
     shared = {n for n, c in counts.items() if c > 1}
     succ = collections.defaultdict(set)
     for n in shared:
@@ -432,33 +434,42 @@ class _Backward:
         self.left = collections.Counter(root for n in members for root, _ in p.pieces[n])
         self.pending = collections.Counter()
         self.swapped = swap_bwd
-        for step, n in enumerate(reversed(members)):
-            if step == len(members) - 1:
-                self.swapped += ahead   # the next segment's swap-ins arrive
-            self._backward_op(n)
+        backward_op = self._backward_op
+        for n in reversed(members[1:]):
+            backward_op(n)
+        if members:
+            self.swapped += ahead   # the next segment's swap-ins arrive
+            backward_op(members[0])
 
     def _backward_op(self, n):
         """``n``'s backward: consumes its gradient, makes its inputs' and the
         pieces it sends to xs, then frees ``n`` if it was saved."""
-        p, size = self.p, self.p.size
+        # The planner's innermost loop: every op of every segment of every
+        # candidate plan simulated.
+        p = self.p
         g = self.flight.pop(n, 0)
         self.in_flight -= g
-        early = [o for o in self.early_free.get(n, ())
-                 if o in self.buffers and o not in self.freed]
-        if early:   # the weight gradient runs first and frees its input
-            self.peak = max(self.peak, self._resident() + g + self.swapped + self.held)
-            self.saved -= sum(size[o] for o in early)
-            self.freed.update(early)
+        frees = self.early_free.get(n)
+        if frees:
+            early = [o for o in frees if o in self.buffers and o not in self.freed]
+            if early:   # the weight gradient runs first and frees its input
+                self.peak = max(self.peak, self._resident() + g + self.swapped + self.held)
+                self.saved -= sum(p.size[o] for o in early)
+                self.freed.update(early)
         partials = self._input_gradients(n)
-        for root, nbytes in p.pieces[n]:
+        pieces = p.pieces[n]
+        for root, nbytes in pieces:
             self.pending[root] += nbytes
             self.held += nbytes
         # A gradient that passes through (a reshape's) is the same buffer.
         base = self._resident() + (0 if p.passes[n] else g) + partials + self.swapped
-        self.peak = max(self.peak, base + self.held + p.scratch[n])
-        self._sum_pieces(n, base)
+        top = base + self.held + p.scratch[n]
+        if top > self.peak:
+            self.peak = top
+        if pieces:
+            self._sum_pieces(n, base)
         if n in self.buffers and n not in self.freed:
-            self.saved -= size[n]
+            self.saved -= p.size[n]
             self.freed.add(n)
         if n in self.own:
             self.release(n)
@@ -466,16 +477,16 @@ class _Backward:
     def _input_gradients(self, n):
         """Allocate the gradients ``n``'s backward makes for its inputs; returns
         the bytes of partials added into running sums (freed right after)."""
-        size, partials = self.p.size, 0
+        size, kept, sums, flight, partials = self.p.size, self.kept, self.grad_sums, self.flight, 0
         for q in self.p.preds[n]:
-            if q in self.kept:
-                if q in self.grad_sums:
+            if q in kept:
+                if q in sums:
                     partials += size[q]  # added into the running sum, then freed
                 else:
-                    self.grad_sums[q] = size[q]
+                    sums[q] = size[q]
                     self.sums += size[q]
-            elif q not in self.flight:
-                self.flight[q] = size[q]
+            elif q not in flight:
+                flight[q] = size[q]
                 self.in_flight += size[q]
         return partials
 
