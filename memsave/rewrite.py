@@ -256,8 +256,7 @@ class _Rewrite:
         self.shields = _shields(region, self.checkpoints)
         ledger.inserted(self.shields.values())
         self.within = region.copyable
-        self.prunable = not any(functions.has_bodies(op) or tf_internal.is_function_call(op)
-                                for op in region.ops)
+        self.prunable = not any(functions.is_loop(op) for op in region.ops)
         self.d_cp, self.d_xs = _Accumulator(), _Accumulator()
         self.segment = 0
         self.wait = []
@@ -385,7 +384,8 @@ class _Rewrite:
         segment's checkpoints, and what earlier segments made (their copies
         and gradients). The ids only order creation where nothing rewires an
         existing op: while_v2 adds inputs to the loop it differentiates, so no
-        walk is left out where the region holds control flow or function calls.
+        walk is left out where the region holds a while loop (a call's or a
+        cond's gradient only adds outputs to the forward op).
         """
         if not self.prunable:
             return None

@@ -122,6 +122,60 @@ def test_each_segments_gradient_call_walks_only_its_own_ops(monkeypatch):
     assert all(np.abs(p - q).max() <= 1e-5 * scale for p, q in zip(a, b))
 
 
+def test_walks_skip_earlier_segments_through_calls_and_conds(monkeypatch):
+    """A function call's or a cond's gradient adds outputs to the forward op,
+    never inputs, so an op's inputs still exist before it and the walks skip
+    what earlier segments made there too (a while loop's gradient adds
+    inputs: its regions walk everything). Every segment's pending counts are
+    TensorFlow's own, walked in full."""
+    from tensorflow.python.ops import gradients_util  # pylint: disable=C0415
+    from memsave import tf_internal  # pylint: disable=import-outside-toplevel
+    tf_walk = tf_internal.mark_reached_ops
+    pending_count = gradients_util._PendingCount  # pylint: disable=protected-access
+    calls = []
+
+    def both(to_ops, from_ops, colocate, func_graphs, xs_set):
+        skip = getattr(tf_internal._local_skip, "skip", None)  # pylint: disable=W0212
+        ours = gradients_util._MarkReachedOps  # pylint: disable=protected-access
+        monkeypatch.setattr(gradients_util, "_MarkReachedOps", tf_walk)
+        full = pending_count(to_ops, from_ops, colocate, func_graphs, xs_set)
+        monkeypatch.setattr(gradients_util, "_MarkReachedOps", ours)
+        tf_internal._local_skip.skip = skip  # pylint: disable=protected-access
+        skipped = pending_count(to_ops, from_ops, colocate, func_graphs, xs_set)
+        calls.append((skip is not None, full[0] == skipped[0],
+                      dict(full[1]) == dict(skipped[1])))
+        return skipped
+
+    monkeypatch.setattr(gradients_util, "_PendingCount", both)
+    rng = np.random.RandomState(0)
+
+    @tf.function
+    def layer(h, w):
+        return tf.tanh(tf.matmul(h, w))
+
+    graph = tf.Graph()
+    with graph.as_default():
+        ws = [tf.Variable((rng.randn(4, 4) * 0.5).astype(np.float32)) for _ in range(24)]
+        h, hs = tf.constant(rng.randn(2, 4).astype(np.float32)), []
+        for i, w in enumerate(ws):
+            h = layer(h, w)
+            if i % 6 == 5:
+                h = tf.cond(tf.reduce_sum(h) > -100.0, lambda h=h: h * 1.5, lambda h=h: h)
+            hs.append(h)
+        loss = tf.reduce_sum(h * h)
+        kinds = {op.type for op in graph.get_operations()}
+        ours = memsave.gradients(loss, ws, checkpoints=hs[3::4])
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b = sess.run([plain, ours])
+    assert {"StatefulPartitionedCall", "StatelessIf"} <= kinds, kinds
+    assert sum(skipped for skipped, _, _ in calls) >= 3, calls
+    assert all(same_ys and same_counts for _, same_ys, same_counts in calls), calls
+    scale = max(np.abs(p).max() for p in a)
+    assert all(np.abs(p - q).max() <= 1e-5 * scale for p, q in zip(a, b))
+
+
 def test_first_copies_wait_through_one_op_per_segment():
     """A segment's copies that read no other copy wait for every running sum
     the segment before changed. Here each layer scales by a reshaped weight

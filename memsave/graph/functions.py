@@ -44,6 +44,13 @@ def has_bodies(op):
     return op.type in BODIES
 
 
+def is_loop(op):
+    """A ``While``: its gradient adds inputs to the forward loop (its accumulators),
+    so an op may then read tensors made after it. (A call's or a cond's
+    gradient only adds outputs to the forward op.)"""
+    return op.type in ("While", "StatelessWhile")
+
+
 def copyable(op):
     """Whether :func:`copy_bodies` can copy ``op``'s bodies (nested ones included).
 
