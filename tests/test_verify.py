@@ -182,10 +182,15 @@ _MEMORY = textwrap.dedent("""
             return [tf.reduce_sum(g) for g in tape.gradient(loss, ws)]
         return step
 
-    plain = peak_memory(make(), warmup=2)
+    def least(run, warmup):
+        # One call's peak moves with the order the executor ran ops in (a few
+        # percent when the CPU is busy); a held tensor shows in every call.
+        return min(peak_memory(run, warmup=warmup if i == 0 else 0) for i in range(3))
+
+    plain = least(make(), 2)
     checked = make(verify=True)
     first = peak_memory(checked, warmup=0)
-    later = peak_memory(checked, warmup=1)
+    later = least(checked, 1)
     print("RESULT", plain, first, later)
 
     values, x_value = [w.numpy() for w in ws], x.numpy()
@@ -203,7 +208,7 @@ _MEMORY = textwrap.dedent("""
             with tf.compat.v1.Session(config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 run = lambda: sess.run(out)  # noqa: E731
-                return peak_memory(run, warmup=0), peak_memory(run, warmup=1)
+                return peak_memory(run, warmup=0), least(run, 1)
 
     print("SESSION", session_peaks()[1], *session_peaks(verify=True))
 """)
