@@ -238,12 +238,14 @@ class _Call:
 def _sources_tracked(tape, flat_raw, flat_xs):
     """Whether the tape tracks each source present in the graph.
 
-    A variable is tracked when the tape watched the variable itself: the
-    tape records a nested function call (Keras runs grouped convolutions
-    as one) on the variable's own handle, not on the placeholder this
-    graph captured for it, which the tape may never have seen.
+    A variable, or an eager tensor the graph captured, is tracked when the
+    tape watched it: the tape records a nested function call (Keras runs
+    grouped convolutions as one) on the variable's own handle or the eager
+    tensor itself, not on the placeholder this graph captured for it, which
+    the tape may never have seen.
     """
-    present = [(raw.handle if tf_internal.is_resource_variable(raw) else x)
+    present = [(raw.handle if tf_internal.is_resource_variable(raw)
+                else raw if isinstance(raw, tf_internal.EagerTensor) else x)
                for raw, x in zip(flat_raw, flat_xs) if x is not None]
     return _tracked(tape, present)
 

@@ -429,6 +429,37 @@ def test_variables_read_inside_a_nested_function_call(strategy):
 
 
 @pytest.mark.parametrize("strategy", ["optimal", "speed"])
+def test_a_watched_eager_tensor_passed_to_a_nested_function_call(strategy):
+    """An eager tensor the step captures, watched, and passed to a nested
+    tf.function: the tape records the call on the eager tensor itself, not on
+    the placeholder the step captured for it, so its gradient comes from
+    that record, as with the plain tape (it used to be None). Unwatched, it
+    gets None from both."""
+    rng = np.random.RandomState(0)
+    w = tf.Variable(rng.randn(8, 8))
+    x = tf.constant(rng.randn(4, 8))   # eager: the step captures it
+    c = tf.constant(rng.randn(4, 8))   # captured too, never watched
+
+    @tf.function
+    def layer(h):
+        return tf.tanh(tf.matmul(h, w))
+
+    def grads(tape):
+        with tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(layer(layer(x) + layer(c))) ** 2)
+        return tape.gradient(loss, [w, x, c])
+
+    @tf.function
+    def step():
+        return grads(tf.GradientTape()), grads(memsave.GradientTape(checkpoints=strategy))
+
+    plain, ours = step()
+    assert [g is None for g in plain] == [False, False, True]
+    assert_same(plain, ours, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "speed"])
 def test_a_watched_tensor_the_tape_did_not_record_is_a_leaf(strategy):
     """Made under stop_recording() then watched: the plain tape stops there,
     so memsave must not backpropagate through its unrecorded producer."""
