@@ -309,6 +309,13 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
     call = _Call(ys=[flat_targets[i] for i in keep])
     if flat_grads is not None and any(flat_grads[i] is not None for i in keep):
         call.grad_ys = [flat_grads[i] for i in keep]
+    if any(y.dtype.is_complex for y in call.ys):
+        # The tape seeds a target without an output gradient with ones, complex
+        # ones too; tf.gradients refuses a complex y without its grad_y.
+        given = call.grad_ys or [None] * len(call.ys)
+        with call.ys[0].graph.as_default():
+            call.grad_ys = [tf.ones_like(y) if g is None and y.dtype.is_complex else g
+                            for y, g in zip(call.ys, given)]
     if not call.ys:
         call.routes = [None] * len(flat_raw)
         return call

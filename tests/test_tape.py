@@ -459,6 +459,35 @@ def test_a_watched_eager_tensor_passed_to_a_nested_function_call(strategy):
     assert_same(plain, ours, atol=1e-12)
 
 
+@pytest.mark.parametrize("strategy", ["optimal", "memory"])
+def test_a_complex_target_without_output_gradients(strategy):
+    """The tape seeds a complex target with ones, as for a real one, where
+    tf.gradients refuses a complex y without grad_ys: memsave's tape must
+    give the tape's gradients (it raised TensorFlow's TypeError)."""
+    rng = np.random.RandomState(0)
+
+    def complex_normal(*shape):
+        return ((rng.randn(*shape) + 1j * rng.randn(*shape)) * 0.3).astype(np.complex128)
+    ws = [tf.Variable(complex_normal(8, 8)) for _ in range(5)]
+    x = tf.constant(complex_normal(4, 8))
+
+    def grads(tape):
+        with tape:
+            h = x
+            for w in ws:
+                h = tf.sin(tf.matmul(h, w))
+        return tape.gradient(h, ws)
+
+    @tf.function
+    def step():
+        return grads(tf.GradientTape()), grads(memsave.GradientTape(
+            checkpoints=strategy, min_checkpoint_size=0, fallback=False))
+
+    plain, ours = step()
+    assert all(np.isfinite(g.numpy()).all() for g in plain)
+    assert_same(plain, ours, atol=1e-12)
+
+
 @pytest.mark.parametrize("strategy", ["optimal", "speed"])
 def test_a_watched_tensor_the_tape_did_not_record_is_a_leaf(strategy):
     """Made under stop_recording() then watched: the plain tape stops there,
