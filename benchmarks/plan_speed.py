@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.plan_speed`` builds framework-free planning graphs
 (a residual chain and a U-Net-like DAG with long skips) of about 1k, 5k and
-20k tensors and times the 'memory' and 'optimal' strategies on each.
+20k tensors and times the 'memory' and 'optimal' strategies on each, and
+'optimal' under a budget and under a recompute cap.
 Writes ``benchmarks/results/plan_speed.{json,md}``.
 """
 
@@ -57,6 +58,13 @@ def unet_like(n_tensors, rng):
     return g
 
 
+# The default plans, and those under a budget (half of plain's estimate) or a
+# cap (5% of a step's work), which simulate many more candidates.
+STRATEGIES = (("memory", memory), ("optimal", optimal),
+              ("optimal, budget 0.5", lambda g: optimal(g, budget=0.5)),
+              ("optimal, max_recompute 0.05", lambda g: optimal(g, max_recompute=0.05)))
+
+
 def main(argv=None):
     parser = cli.parser(__doc__)
     parser.add_argument("--sizes", type=int, nargs="*", default=[1000, 5000, 20000])
@@ -66,7 +74,7 @@ def main(argv=None):
     for size in args.sizes:
         for kind, make in (("residual", residual), ("unet-like", unet_like)):
             graph = make(size, rng)
-            for name, strategy in (("memory", memory), ("optimal", optimal)):
+            for name, strategy in STRATEGIES:
                 start = time.perf_counter()
                 try:
                     plan = strategy(graph)

@@ -32,7 +32,9 @@ def test_depth_benchmark_tiny(tmp_path):
 def test_plan_speed_benchmark_tiny(tmp_path):
     _run(["benchmarks.plan_speed", "--sizes", "200"], tmp_path)
     rows = json.loads((tmp_path / "plan_speed.json").read_text())
-    assert {r["strategy"] for r in rows} == {"memory", "optimal"}
+    assert {r["strategy"] for r in rows} == {
+        "memory", "optimal", "optimal, budget 0.5", "optimal, max_recompute 0.05"}
+    assert all(r["checkpoints"] for r in rows if r["strategy"] != "memory")
 
 
 def test_op_rates_benchmark_quick(tmp_path):
