@@ -48,7 +48,7 @@ def is_loop(op):
     """A ``While``: its gradient adds inputs to the forward loop (its accumulators),
     so an op may then read tensors made after it. (A call's or a cond's
     gradient only adds outputs to the forward op.)"""
-    return op.type in ("While", "StatelessWhile")
+    return BODIES.get(op.type) is _WHILE
 
 
 def copyable(op):

@@ -206,7 +206,7 @@ def cost_parts(op, shape_of=lambda t: t.shape):
     if op.type in _FREE or (op.outputs and all(
             optable.forwarded_input(op, k) is not None for k in range(len(op.outputs)))):
         return 0.0, {}
-    body = tf_internal.called_graph(op) if tf_internal.is_function_call(op) else None
+    body = tf_internal.called_graph(op)
     if body is not None:
         flops, moved = 0.0, collections.Counter()
         for inner in body.get_operations():
