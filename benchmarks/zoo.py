@@ -200,7 +200,11 @@ def child(name, quick, pairs, only=None):
         if budget:
             # Each replan traces again: its build apart from the first's, and
             # the measured (and once profiled) calls between them left out.
+            # The loop's measured calls (the first plan's, the replan's) run
+            # before it settles: on a full device, one over the budget fails.
             row.update(budget_mib=budget / MIB, replans=step.loop.replans,
+                       worst_mib=max(step.loop.peaks + [0]) / MIB,
+                       calls_mib=[p / MIB for p in step.loop.peaks],
                        replan_build_s=sum(max(0.0, t - once) for t in retraced))
         rows.append(row)
     plain = steps["plain"]
@@ -281,9 +285,11 @@ def _budget_summary(rows):
     processes the peak held (<= the target) and came within 10% below it."""
     if "budget_mib" not in rows[0]:
         return {}
+    worst = [max(r["peak_mib"], r.get("worst_mib", 0.0)) for r in rows]
     return dict(budget_mib=statistics.median(r["budget_mib"] for r in rows),
                 replans=max(r["replans"] for r in rows),
-                held=sum(r["peak_mib"] <= r["budget_mib"] for r in rows),
+                worst_mib=max(worst),
+                held=sum(w <= r["budget_mib"] for w, r in zip(worst, rows)),
                 close=sum(0.9 * r["budget_mib"] <= r["peak_mib"] <= r["budget_mib"]
                           for r in rows))
 
@@ -305,9 +311,12 @@ def markdown(summary, machine):
              "measured peak in the same process, kept by memsave.budgeted (the step is "
              "measured and replanned once; a replan measured over 95%% of the budget is "
              "followed by the lowest plan); 'target MiB' is the median budget, 'vs target' "
-             "the median peak against it, 'replans' the most in a process, "
-             "'held' the processes whose peak was at most the target, 'within 10%%' those "
-             "also no more than 10%% below it." % machine, "",
+             "the median peak against it, 'worst call' the largest peak of any call the "
+             "loop measured (the first plan's and the replan's, before it settled; on a full "
+             "device a call over the budget fails) against it, 'replans' the most in a "
+             "process, 'held' the processes where neither the settled peak nor any measured "
+             "call was above the target, 'within 10%%' those whose settled peak was also no "
+             "more than 10%% below it." % machine, "",
              "**%s**" % STRATEGIES_SECTION, "",
              "| model | config | peak MiB | vs plain | step time vs plain | build s "
              "| build vs plain | gradients |",
@@ -330,20 +339,22 @@ def markdown(summary, machine):
             _builds(r, base), ran))
     if budgets:
         lines += ["", "**%s**" % BUDGETS_SECTION, "",
-                  "| model | config | target MiB | peak MiB | vs target | vs plain "
-                  "| step time vs plain | build s | build vs plain | replans | held "
+                  "| model | config | target MiB | peak MiB | vs target | worst call "
+                  "| vs plain | step time vs plain | build s | build vs plain | replans | held "
                   "| within 10% |",
-                  "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+                  "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in budgets:
         if "error" in r:
-            lines.append("| %s | %s | raises: %s | | | | | | | | | |" % (
+            lines.append("| %s | %s | raises: %s | | | | | | | | | | |" % (
                 _model_label(r), r["config"], r["error"]))
             continue
         base, n = plain[r["model"]], r["processes"]
-        lines.append("| %s | %s | %.1f | %s | %.0f%% | %.0f%% | %.2f× | %s | %d | %d/%d "
+        lines.append("| %s | %s | %.1f | %s | %.0f%% | %s | %.0f%% | %.2f× | %s | %d | %d/%d "
                      "| %d/%d |" % (
                          _model_label(r), r["config"], r["budget_mib"], _peaks(r),
                          100.0 * r["peak_median"] / r["budget_mib"],
+                         "%.0f%%" % (100.0 * r["worst_mib"] / r["budget_mib"])
+                         if "worst_mib" in r else "",
                          100.0 * r["peak_median"] / base["peak_median"], r["time_ratio"],
                          _builds(r, base), r["replans"], r["held"], n, r["close"], n))
     return "\n".join(lines) + "\n"

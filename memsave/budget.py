@@ -26,7 +26,13 @@ the pre-step baseline), kept by a loop around the training step:
    a kernel's temporaries), from :data:`SCRATCH_MIN` of the budget up, is
    put on the tensor whose backward made it in every later plan, and the
    first plan is re-estimated with it before the error is taken (a buffer
-   no plan changes is not an error that scales with the plan). Where
+   no plan changes is not an error that scales with the plan). Two bounds
+   keep the replan's own measured calls within the budget, since they run
+   before the loop can go back: a replan above the first plan adds to its
+   estimate no more than would fit if each byte measured
+   :data:`UPWARD_SLOPE` bytes, and a replan of a rewritten step stays a
+   rewrite (below plain backprop's estimate), since the first plan's error
+   says nothing of plain's, which runs in the executor's order. Where
    nothing fits that, the
    lowest plan is taken if it might still measure within the budget (on
    the kinder reading: one measurement cannot tell how the error scales,
@@ -40,6 +46,13 @@ the pre-step baseline), kept by a loop around the training step:
    no first plan within it, is followed by the lowest plan, measured once
    more (a WARNING says so); the lowest plan measured over it is a
    :class:`~memsave.BudgetError` with the measured figures.
+4. A call of a plan on trial that the allocator refuses (a full device)
+   raises a :class:`~memsave.BudgetError` that says so; the step is not run
+   again, since variables it updated before the failure keep the update. A
+   replan refused after a first plan measured within the budget gives the
+   next calls to that plan; otherwise every later call raises. A later
+   call of the settled plan refused so is a BudgetError with its trial
+   calls' figure.
 
 Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
 automatically; a custom loop opts in with :func:`budgeted`. A fraction
@@ -58,6 +71,7 @@ import tensorflow as tf
 from memsave import profile, tf_internal
 from memsave.errors import BudgetError
 from memsave.log import warn_once
+from memsave.planning.simulate import simulate_peak
 
 logger = logging.getLogger("memsave")
 
@@ -73,6 +87,12 @@ TOLERANCE = 0.10   # measured this far below the budget (or above it): replan
 # The most an estimate above the first plan's measurement is trusted, as a
 # ratio (see _correction).
 MOST_TRUSTED = 1.15
+# The measured bytes per estimated byte that a replan above the first plan is
+# kept within the budget at: BFC does not split a free chunk under twice the
+# request, so a tensor may hold up to twice its bytes (GPT2 at 1,024 tokens:
+# a replan's estimate +73 MiB measured +132 MiB; a small transformer's, +1.0
+# MiB measured +1.7 MiB).
+UPWARD_SLOPE = 2.0
 
 # Scratch at the first plan's measured peak (an op's temporaries, the
 # buffers of an XLA-compiled call) is modelled in the replan from this
@@ -120,7 +140,9 @@ class Loop:
         self.replanned = False
         self.last_resort = False   # the replan measured over too: the lowest plan, once
         self.done = False
+        self.peaks = []            # every measured call's peak, in order (the promise's record)
         self.scratch = None        # [(op name, bytes)] the first plan's large scratch
+        self.first_kept = None     # the first plan's kept names per region ([]: ran plain)
         self._recalibrate = None   # (measured, kept names): the first plan, to re-estimate
 
     # -- planning side (called by memsave.planner while the step traces) --
@@ -138,7 +160,36 @@ class Loop:
             # which takes_lowest weighs against the budget.
             return settings.replace(budget=1.0)
         target = FIRST_AIM * promise if self.correction is None else self.correction(promise)
+        if self.first is not None:
+            target = min(target, self._upward_bound(promise))
+        if graph is not None and self._measured_rewritten(len(self.trace.kept)):
+            target = min(target, self._below_plain(graph))
         return settings.replace(budget=max(1.0, target))
+
+    def _upward_bound(self, promise):
+        """The most a replan may estimate so that, if each byte it adds to the first
+        plan's estimate measured :data:`UPWARD_SLOPE` bytes, its measured calls
+        still fit the budget: they run before the loop can go back to the first
+        plan, and on a full device a call over the budget fails."""
+        estimate, measured = self.first
+        return max(estimate, estimate + (promise - measured) / UPWARD_SLOPE)
+
+    def _measured_rewritten(self, region):
+        """Whether the measured first plan rewrote the ``region``-th planned region
+        (or the regions do not match up, and it may have)."""
+        if self.first_kept is None:
+            return False
+        return region >= len(self.first_kept) or bool(self.first_kept[region])
+
+    def _below_plain(self, graph):
+        """The most a replan of a rewritten region may estimate: just below plain
+        backprop's estimate. The first plan's error is an error of rewritten
+        steps, whose fences fix the order; plain gradients run in the
+        executor's order, and their estimate errs more (a small CNN with Adam:
+        rewrites measured 0.92-1.22 times their estimates, plain 1.3 times; a
+        replan that fell back to plain measured 22% over a budget). So a
+        replan stays a rewrite unless plain itself was measured."""
+        return simulate_peak(graph, ()) - 1
 
     @property
     def replans(self):
@@ -215,7 +266,6 @@ class Loop:
             return
         measured, kept = self._recalibrate
         self._recalibrate = None
-        from memsave.planning.simulate import simulate_peak  # pylint: disable=C0415
         estimate = simulate_peak(graph, [n for n in kept if graph.has_node(n)])
         mib = 2 ** 20
         logger.info("memsave: %s: scratch measured in %d backward op(s), %.1f MiB at most "
@@ -273,6 +323,7 @@ class Loop:
             logger.info("%s%s", said, "; back to the first plan" if back else "")
             return FIRST if back else None
         self.first = (estimate, measured)
+        self.first_kept = self.trace.kept
         if (1 - TOLERANCE) * promise <= measured <= fits:
             self.done = True
             logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
@@ -401,12 +452,28 @@ class MeasuredStep:
         if self._unfit is not None:
             raise self._unfit   # every later call too: no step runs over the budget
         if loop.done:
-            return self._step(*args, **kwargs)
+            try:
+                return self._step(*args, **kwargs)
+            except tf.errors.ResourceExhaustedError as error:
+                if loop.trace.promise is None or not loop.peaks:
+                    raise
+                mib = 2 ** 20
+                raise BudgetError(
+                    "memsave: %s: the allocator ran out of memory under a budget of %.1f MiB "
+                    "in a call of the plan its trial calls measured at %.1f MiB at most (a "
+                    "later call needed more: other inputs, or the allocator's fragmentation): "
+                    "%s" % (loop.where, loop.trace.promise / mib, max(loop.peaks) / mib,
+                            _oom_line(error))) from error
         self._calls += 1
         with _Entered(loop):
-            if self._calls == 1:   # tracing and one-time allocations
-                return self._traced(*args, **kwargs)
-            return self._measured(*args, **kwargs)
+            try:
+                if self._calls == 1:   # tracing and one-time allocations
+                    return self._traced(*args, **kwargs)
+                return self._measured(*args, **kwargs)
+            except tf.errors.ResourceExhaustedError as error:
+                if loop.trace.promise is None:
+                    raise   # nothing in the step planned for a byte budget
+                raise self._ran_out(error) from error
 
     def _traced(self, *args, **kwargs):
         try:
@@ -431,6 +498,7 @@ class MeasuredStep:
         else:
             out, peak = profile.measured_call(self._traced, *args, **kwargs)
         self._peaks.append(peak)
+        self.loop.peaks.append(peak)
         if len(self._peaks) < MEASURED_CALLS:
             return out
         peak, self._peaks = max(self._peaks), []
@@ -447,6 +515,37 @@ class MeasuredStep:
         if self.loop.done:
             self._first = None
         return out
+
+    def _ran_out(self, error):
+        """The BudgetError for a call of a plan on trial that the allocator refused: the step
+        failed part way (some variables may be updated), so it is not run
+        again. A replan whose first plan measured within the budget gives way
+        to that plan for the next calls; otherwise every later call raises."""
+        loop, mib = self.loop, 2 ** 20
+        promise = loop.trace.promise
+        first = loop.first is not None and loop.first[1] <= AIM * promise
+        said = ("memsave: %s: the allocator ran out of memory in a call of the %s "
+                "plan (estimated %.1f MiB) under a budget of %.1f MiB; the step failed and "
+                "was not run again (variables it updated before the failure keep the update)" % (
+                    loop.where, "replanned" if loop.replanned else "first",
+                    (loop.trace.estimate or 0) / mib, promise / mib))
+        if loop.replanned and first:
+            self._step, self._first, loop.done = self._first, None, True
+            logger.warning("%s; back to the first plan, measured %.1f MiB",
+                           said, loop.first[1] / mib)
+            return BudgetError(said + "; the next calls run the first plan, measured %.1f MiB"
+                               % (loop.first[1] / mib))
+        self._unfit = BudgetError(said + "; no plan is known to fit it (a first plan aims at "
+                                  "%.0f%% of the budget on its estimate): %s" % (
+                                      100 * FIRST_AIM, _oom_line(error)))
+        return self._unfit
+
+
+def _oom_line(error):
+    """The line of an allocator's error that names the refused allocation (a
+    graph's error starts with 'Graph execution error:')."""
+    lines = [line.strip() for line in error.message.splitlines() if line.strip()]
+    return next((line for line in lines if "OOM" in line), lines[-1] if lines else "")
 
 
 def budgeted(step):

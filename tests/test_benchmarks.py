@@ -96,6 +96,7 @@ def test_zoo_benchmark_quick(tmp_path):
     # A byte budget, 0.7 x plain's measured peak, kept on the allocator.
     kept = rows["budget 0.7 × plain"]
     assert kept["held"] == 1 and kept["replans"] <= 1
+    assert kept["peak_median"] <= kept["worst_mib"] <= kept["budget_mib"]
     assert (tmp_path / "zoo_quick.png").stat().st_size > 10_000
     assert "| GPT2" in stdout
     assert "| rewritten |" in stdout
@@ -112,7 +113,7 @@ def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
                dict(model="GPT2", config="budget 0.3 × plain", error="BudgetError: no plan"),
                dict(row, config="budget 0.5 × plain", peak_min=4.6, peak_median=4.6, peak_max=4.6,
                     time_ratio=1.1, build_s=3.0, replan_build_s=2.5, budget_mib=5.0,
-                    replans=1, held=1, close=1)]
+                    replans=1, held=1, close=1, worst_mib=4.9)]
     machine = dict(processor="x", cpus=2, tf_version="2.21.0")
     (tmp_path / "zoo.json").write_text(json.dumps({"machine": machine, "runs": [],
                                                    "summary": summary}))
@@ -121,11 +122,11 @@ def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
     assert "| build vs plain |" in table
     assert "| GPT2 (b2, 64 tokens) | optimal (default) | 4.0 / 4.0 / 4.0 | 40% | 1.20× | 3.0 " \
            "| 1.5× | rewritten |" in table
-    # The budgets have their own section: target, measured, replans.
+    # The budgets have their own section: target, measured, worst call, replans.
     strategies, budgets = table.split("**Budgets**")
     assert "**Strategies and caps**" in strategies and "budget" not in strategies.split("|", 1)[1]
     assert "| GPT2 | budget 0.3 × plain | raises: BudgetError: no plan |" in budgets
-    assert "| GPT2 (b2, 64 tokens) | budget 0.5 × plain | 5.0 | 4.6 / 4.6 / 4.6 | 92% | 46% " \
+    assert "| GPT2 (b2, 64 tokens) | budget 0.5 × plain | 5.0 | 4.6 / 4.6 / 4.6 | 92% | 98% | 46% " \
            "| 1.10× | 3.0 + 2.5 | 1.5× + 1.2× | 1 | 1/1 | 1/1 |" in budgets
     assert (tmp_path / "zoo.png").stat().st_size > 10_000
 
