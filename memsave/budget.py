@@ -460,10 +460,10 @@ class MeasuredStep:
                 mib = 2 ** 20
                 raise BudgetError(
                     "memsave: %s: the allocator ran out of memory under a budget of %.1f MiB "
-                    "in a call of the plan its trial calls measured at %.1f MiB at most (a "
-                    "later call needed more: other inputs, or the allocator's fragmentation): "
-                    "%s" % (loop.where, loop.trace.promise / mib, max(loop.peaks) / mib,
-                            _oom_line(error))) from error
+                    "in a call of the settled plan (the loop's measured calls: %.1f MiB at "
+                    "most; a later call needed more: other inputs, or the allocator's "
+                    "fragmentation): %s" % (loop.where, loop.trace.promise / mib,
+                                            max(loop.peaks) / mib, _oom_line(error))) from error
         self._calls += 1
         with _Entered(loop):
             try:
@@ -533,8 +533,8 @@ class MeasuredStep:
             self._step, self._first, loop.done = self._first, None, True
             logger.warning("%s; back to the first plan, measured %.1f MiB",
                            said, loop.first[1] / mib)
-            return BudgetError(said + "; the next calls run the first plan, measured %.1f MiB"
-                               % (loop.first[1] / mib))
+            return BudgetError(said + "; the next calls run the first plan, measured %.1f "
+                               "MiB: %s" % (loop.first[1] / mib, _oom_line(error)))
         self._unfit = BudgetError(said + "; no plan is known to fit it (a first plan aims at "
                                   "%.0f%% of the budget on its estimate): %s" % (
                                       100 * FIRST_AIM, _oom_line(error)))

@@ -437,7 +437,7 @@ def test_a_call_the_allocator_refuses_is_a_budget_error():
     # A settled plan that a later call needs more for: said in the budget's terms.
     step = budget.MeasuredStep(build, "test")
     step.loop.trace.promise, step.loop.peaks, step.loop.done = 2 ** 20, [2 ** 19], True
-    with pytest.raises(memsave.BudgetError, match=r"trial calls measured at 0\.5 MiB at most"):
+    with pytest.raises(memsave.BudgetError, match=r"settled plan \(the loop's measured calls: 0\.5 MiB at most"):
         step()
     # A step that planned for no byte budget: the allocator's own error.
     step = budget.MeasuredStep(build, "test")
