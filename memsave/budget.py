@@ -51,8 +51,8 @@ the pre-step baseline), kept by a loop around the training step:
    again, since variables it updated before the failure keep the update. A
    replan refused after a first plan measured within the budget gives the
    next calls to that plan; otherwise every later call raises. A later
-   call of the settled plan refused so is a BudgetError with its trial
-   calls' figure.
+   call of the settled plan refused so is a BudgetError with the largest
+   peak the loop measured.
 
 Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
 automatically; a custom loop opts in with :func:`budgeted`. A fraction

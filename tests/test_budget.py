@@ -400,7 +400,7 @@ print("NEXT CALLS RAN", step.loop.done, max(step.loop.peaks) <= int(sys.argv[1])
 
 @pytest.mark.heavy   # one process under a hard limit
 def test_a_replan_the_allocator_refuses_is_a_budget_error_and_the_first_plan_goes_on(
-        plain_peak, tmp_path):
+        plain_peak):
     # A replan measured over a hard limit (the allocator of a full GPU) fails
     # part way: a BudgetError that says so, not an allocator crash, and the
     # next call runs the first plan, which measured within the budget.
