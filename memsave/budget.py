@@ -451,29 +451,19 @@ class MeasuredStep:
         loop = self.loop
         if self._unfit is not None:
             raise self._unfit   # every later call too: no step runs over the budget
-        if loop.done:
-            try:
+        settled = loop.done
+        try:
+            if settled:
                 return self._step(*args, **kwargs)
-            except tf.errors.ResourceExhaustedError as error:
-                if loop.trace.promise is None or not loop.peaks:
-                    raise
-                mib = 2 ** 20
-                raise BudgetError(
-                    "memsave: %s: the allocator ran out of memory under a budget of %.1f MiB "
-                    "in a call of the settled plan (the loop's measured calls: %.1f MiB at "
-                    "most; a later call needed more: other inputs, or the allocator's "
-                    "fragmentation): %s" % (loop.where, loop.trace.promise / mib,
-                                            max(loop.peaks) / mib, _oom_line(error))) from error
-        self._calls += 1
-        with _Entered(loop):
-            try:
+            self._calls += 1
+            with _Entered(loop):
                 if self._calls == 1:   # tracing and one-time allocations
                     return self._traced(*args, **kwargs)
                 return self._measured(*args, **kwargs)
-            except tf.errors.ResourceExhaustedError as error:
-                if loop.trace.promise is None:
-                    raise   # nothing in the step planned for a byte budget
-                raise self._ran_out(error) from error
+        except tf.errors.ResourceExhaustedError as error:
+            if loop.trace.promise is None or (settled and not loop.peaks):
+                raise   # nothing in the step planned for a byte budget, or measured
+            raise self._ran_out(error, settled) from error
 
     def _traced(self, *args, **kwargs):
         try:
@@ -516,13 +506,20 @@ class MeasuredStep:
             self._first = None
         return out
 
-    def _ran_out(self, error):
-        """The BudgetError for a call of a plan on trial that the allocator refused: the step
+    def _ran_out(self, error, settled):
+        """The BudgetError for a call the allocator refused. A plan on trial: the step
         failed part way (some variables may be updated), so it is not run
-        again. A replan whose first plan measured within the budget gives way
-        to that plan for the next calls; otherwise every later call raises."""
+        again; a replan whose first plan measured within the budget gives way
+        to that plan for the next calls, otherwise every later call raises. The
+        ``settled`` plan: said with the largest peak the loop measured."""
         loop, mib = self.loop, 2 ** 20
         promise = loop.trace.promise
+        if settled:
+            return BudgetError(
+                "memsave: %s: the allocator ran out of memory under a budget of %.1f MiB in "
+                "a call of the settled plan (the loop's measured calls: %.1f MiB at most; a "
+                "later call needed more: other inputs, or the allocator's fragmentation): %s"
+                % (loop.where, promise / mib, max(loop.peaks) / mib, _oom_line(error)))
         first = loop.first is not None and loop.first[1] <= AIM * promise
         said = ("memsave: %s: the allocator ran out of memory in a call of the %s "
                 "plan (estimated %.1f MiB) under a budget of %.1f MiB; the step failed and "
