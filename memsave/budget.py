@@ -46,13 +46,21 @@ the pre-step baseline), kept by a loop around the training step:
    no first plan within it, is followed by the lowest plan, measured once
    more (a WARNING says so); the lowest plan measured over it is a
    :class:`~memsave.BudgetError` with the measured figures.
-4. A call of a plan on trial that the allocator refuses (a full device)
-   raises a :class:`~memsave.BudgetError` that says so; the step is not run
-   again, since variables it updated before the failure keep the update. A
-   replan refused after a first plan measured within the budget gives the
-   next calls to that plan; otherwise every later call raises. A later
-   call of the settled plan refused so is a BudgetError with the largest
-   peak the loop measured.
+4. A call of a plan on trial that the allocator refuses (a full device) is
+   undone and run again: the variables it may update were copied to host
+   memory (numpy) before it and are restored, the loop takes the refusal as
+   a measurement of more than the budget (the call's peak so far and the
+   refused allocation, at least the budget; an estimate above that bound
+   is not trusted) and turns to the plan it asks for (a replan, the first
+   plan, the lowest plan), and the same call runs on it. Where none is
+   left, a :class:`~memsave.BudgetError` with the variables restored. A
+   call that cannot be run again (the step reads its batch from an
+   iterator it is given; Keras' own iterator is read ahead and replayed)
+   raises a BudgetError instead, the step's updates kept: a replan refused
+   after a first plan measured within the budget gives the next calls to
+   that plan; otherwise every later call raises. A later call of the
+   settled plan refused so is a BudgetError with the largest peak the loop
+   measured.
 
 Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
 automatically; a custom loop opts in with :func:`budgeted`. A fraction
@@ -61,11 +69,13 @@ Without allocator statistics (a CPU without ``TF_CPU_ALLOCATOR_USE_BFC``)
 the budget is kept on the estimate only, and a warning says so.
 """
 
+import collections.abc
 import dataclasses
 import logging
 import re
 import threading
 
+import numpy as np
 import tensorflow as tf
 
 from memsave import profile, tf_internal
@@ -141,6 +151,8 @@ class Loop:
         self.last_resort = False   # the replan measured over too: the lowest plan, once
         self.done = False
         self.peaks = []            # every measured call's peak, in order (the promise's record)
+        self.refusals = 0          # calls the allocator refused, undone and run again
+        self.first_refused = False  # the first plan's figure is a refused call's bound
         self.scratch = None        # [(op name, bytes)] the first plan's large scratch
         self.first_kept = None     # the first plan's kept names per region ([]: ran plain)
         self._recalibrate = None   # (measured, kept names): the first plan, to re-estimate
@@ -278,65 +290,76 @@ class Loop:
 
     # -- measuring side (called around the step) --
 
-    def observe(self, measured, breakdown=None):
+    def observe(self, measured, breakdown=None, refused=False):
         """Take one measured peak (and the :class:`~memsave.profile.PeakBreakdown`
-        of one call, if profiled): :data:`REPLAN` when the step should be traced
-        again, :data:`FIRST` when it should go back to the first plan, else None."""
+        of one call, if profiled; ``refused``: the allocator refused a call, which
+        needed more than ``measured``): :data:`REPLAN` when the step should be
+        traced again, :data:`FIRST` when it should go back to the first plan,
+        else None."""
         promise, estimate = self.trace.promise, self.trace.estimate
         if promise is None or estimate is None:
             self.done = True    # nothing in the step planned for a byte budget
             return None
-        mib = 2 ** 20
-        fits = AIM * promise    # within the budget, with the run-to-run noise
         if self.replanned:
-            self.done = True
-            # A replan past the margin that measured more than a first plan
-            # within it: the first plan is kept. Past the margin is over: a
-            # later call of the same plan may measure a few percent more
-            # (MobileNetV2's lowest plan: 106.6, 112.0, 115.7 MiB).
-            first = self.first[1]
-            back = measured > fits and first < measured and first <= fits
-            over = not back and measured > fits
-            if over and (self.trace.lowest or self.last_resort):
-                raise BudgetError(
-                    "no plan fits a budget of %.1f MiB on the allocator: the %s plan "
-                    "measured %.1f MiB%s (estimated %.1f; the first plan was estimated %.1f and "
-                    "measured %.1f MiB)" % (
-                        promise / mib, "lowest" if self.trace.lowest else "last",
-                        measured / mib, "" if measured > promise else
-                        ", more than %.0f%% of the budget, within a step's variation between "
-                        "calls" % (100 * AIM), estimate / mib, self.first[0] / mib, first / mib))
-            said = ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, measured %.1f "
-                    "MiB; replanned to estimate %.1f, measured %.1f MiB" % (
-                        self.where, promise / mib, self.first[0] / mib, first / mib,
-                        estimate / mib, measured / mib))
-            if over:
-                # Both plans measured past the margin (the estimate's error
-                # does not scale: ConvNeXtTiny's plans estimated at 401 and 317
-                # MiB measured 560 and 510, its lowest, at 200, 303): the
-                # lowest plan, measured once more, or a BudgetError.
-                self.done, self.last_resort = False, True
-                self.trace = _Trace()
-                logger.warning("%s, over %.0f%% of the budget; planning for the lowest peak",
-                               said, 100 * AIM)
-                return REPLAN
-            logger.info("%s%s", said, "; back to the first plan" if back else "")
-            return FIRST if back else None
-        self.first = (estimate, measured)
+            return self._observe_replan(measured, refused)
+        mib = 2 ** 20
+        self.first, self.first_refused = (estimate, measured), refused
         self.first_kept = self.trace.kept
-        if (1 - TOLERANCE) * promise <= measured <= fits:
+        if (1 - TOLERANCE) * promise <= measured <= AIM * promise:
             self.done = True
             logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
                         self.where, promise / mib, measured / mib, estimate / mib)
             return None
-        self.correction = _correction(estimate, measured)
+        # A refused call needed more than ``measured``: a bound, not a
+        # figure, so an estimate above it is not trusted.
+        self.correction = _correction(estimate, measured, 1.0 if refused else MOST_TRUSTED)
         self._note_scratch(breakdown, measured)
         self.replanned = True
         self.trace = _Trace()
-        logger.info("memsave: %s: budget %.1f MiB, first plan measured %.1f MiB (estimated "
-                    "%.1f); replanning once", self.where, promise / mib, measured / mib,
-                    estimate / mib)
+        logger.info("memsave: %s: budget %.1f MiB, first plan %s %.1f MiB (estimated "
+                    "%.1f); replanning once", self.where, promise / mib,
+                    _measured_as(refused), measured / mib, estimate / mib)
         return REPLAN
+
+    def _observe_replan(self, measured, refused):
+        """:meth:`observe` for the replan (or the lowest plan after it)."""
+        promise, estimate, mib = self.trace.promise, self.trace.estimate, 2 ** 20
+        fits = AIM * promise    # within the budget, with the run-to-run noise
+        self.done = True
+        # A replan past the margin that measured more than a first plan
+        # within it: the first plan is kept. Past the margin is over: a
+        # later call of the same plan may measure a few percent more
+        # (MobileNetV2's lowest plan: 106.6, 112.0, 115.7 MiB).
+        first = self.first[1]
+        back = measured > fits and first < measured and first <= fits
+        over = not back and measured > fits
+        if over and (self.trace.lowest or self.last_resort):
+            raise BudgetError(
+                "no plan fits a budget of %.1f MiB on the allocator: the %s plan "
+                "%s %.1f MiB%s (estimated %.1f; the first plan was estimated %.1f and "
+                "measured %.1f MiB)%s" % (
+                    promise / mib, "lowest" if self.trace.lowest else "last",
+                    _measured_as(refused), measured / mib, "" if measured > promise else
+                    ", more than %.0f%% of the budget, within a step's variation between "
+                    "calls" % (100 * AIM), estimate / mib, self.first[0] / mib, first / mib,
+                    "; its call was undone" if refused else ""))
+        said = ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, %s %.1f "
+                "MiB; replanned to estimate %.1f, %s %.1f MiB" % (
+                    self.where, promise / mib, self.first[0] / mib,
+                    _measured_as(self.first_refused), first / mib, estimate / mib,
+                    _measured_as(refused), measured / mib))
+        if over:
+            # Both plans measured past the margin (the estimate's error
+            # does not scale: ConvNeXtTiny's plans estimated at 401 and 317
+            # MiB measured 560 and 510, its lowest, at 200, 303): the
+            # lowest plan, measured once more, or a BudgetError.
+            self.done, self.last_resort = False, True
+            self.trace = _Trace()
+            logger.warning("%s, over %.0f%% of the budget; planning for the lowest peak",
+                           said, 100 * AIM)
+            return REPLAN
+        logger.info("%s%s", said, "; back to the first plan" if back else "")
+        return FIRST if back else None
 
     def budget_error(self, error):
         """``error`` (no plan fitted the target) in the budget's terms."""
@@ -356,6 +379,10 @@ class Loop:
             "estimated %.1f and measured %.1f MiB)" % (
                 promise / mib, self.would_measure(smallest, kinder=True) / mib,
                 smallest / mib, estimate / mib, measured / mib))
+
+
+def _measured_as(refused):
+    return "needed more than" if refused else "measured"
 
 
 _GRADIENT_SCOPES = re.compile(r"^(gradients(_\d+)?|gradient_tape|memsave_\d+)$")
@@ -389,7 +416,7 @@ def runs_estimate(plan):
     return plan.estimated_peak_bytes
 
 
-def _correction(estimate, measured):
+def _correction(estimate, measured, most_trusted=MOST_TRUSTED):
     """budget -> the estimate to plan for: the safer of the error as a ratio and
     as an offset (a ratio shrinks an offset such as the weights' gradients
     with the plan; an offset overstates a ratio when the plan grows). An
@@ -397,8 +424,9 @@ def _correction(estimate, measured):
     :data:`MOST_TRUSTED` times the measurement: GPT2's and BERT's plans at 128 tokens
     estimate 8-11% above their measurements, every plan alike, and a replan
     measured over the budget goes back to the first plan."""
-    ratio = min(MOST_TRUSTED, estimate / measured)
-    offset = max(measured * (1 - MOST_TRUSTED), measured - estimate)
+    measured = max(measured, 1)   # a meter that saw nothing allocated
+    ratio = min(most_trusted, estimate / measured)
+    offset = max(measured * (1 - most_trusted), measured - estimate)
 
     def target(promise):
         aim = REPLAN_AIM * promise
@@ -435,35 +463,79 @@ class MeasuredStep:
     """A step that keeps the byte budget its plans were given (see the module docstring).
 
     ``build()`` returns a fresh traced step (a ``tf.function``); it is called
-    again for the one replan.
+    again for the one replan. ``state()`` returns the variables a call may
+    update (default: those the traced ``tf.function`` captures), and
+    ``replay(args, kwargs)`` returns a function that gives the arguments of
+    each run of one call, or None where the call cannot be run again (its
+    batch is read inside the step): a call of a plan on trial that the
+    allocator refuses is undone and run again on the plan the loop turns to.
     """
 
-    def __init__(self, build, where):
+    def __init__(self, build, where, state=None, replay=None):
         self._build = build
         self.loop = Loop(where)
         self._step = build()
+        self._state = state
+        self._replay = replay or same_arguments
         self._first = None    # the first plan's step, while a replan is on trial
         self._calls = 0
         self._peaks = []      # the current plan's measured calls
         self._unfit = None    # the BudgetError of a lowest plan measured over the budget
 
     def __call__(self, *args, **kwargs):
-        loop = self.loop
         if self._unfit is not None:
             raise self._unfit   # every later call too: no step runs over the budget
-        settled = loop.done
+        if not self.loop.done:
+            return self._trial(args, kwargs)
         try:
-            if settled:
-                return self._step(*args, **kwargs)
-            self._calls += 1
-            with _Entered(loop):
-                if self._calls == 1:   # tracing and one-time allocations
-                    return self._traced(*args, **kwargs)
-                return self._measured(*args, **kwargs)
+            return self._step(*args, **kwargs)
         except tf.errors.ResourceExhaustedError as error:
-            if loop.trace.promise is None or (settled and not loop.peaks):
+            if self.loop.trace.promise is None or not self.loop.peaks:
                 raise   # nothing in the step planned for a byte budget, or measured
-            raise self._ran_out(error, settled) from error
+            raise self._ran_out(error, settled=True) from error
+
+    def _trial(self, args, kwargs):
+        """A call while the loop measures: a call the allocator refuses is undone
+        (the variables restored from host copies taken before it) and run again
+        on the plan the loop turns to (:meth:`_refused`), until one runs or
+        none is left (a BudgetError, the variables restored)."""
+        again = self._replay(args, kwargs)
+        while True:
+            if again is not None:
+                args, kwargs = again()
+            saved = self._saved(args, kwargs) if again is not None else None
+            base = _meter_base()
+            try:
+                with _Entered(self.loop):
+                    self._calls += 1
+                    if self._calls == 1:   # tracing and one-time allocations
+                        return self._traced(*args, **kwargs)
+                    return self._measured(*args, **kwargs)
+            except tf.errors.ResourceExhaustedError as error:
+                if self.loop.trace.promise is None:
+                    raise   # nothing in the step planned for a byte budget
+                if saved is None:
+                    raise self._ran_out(error, settled=False, why=(
+                        "it reads its batch itself" if again is None else
+                        "its variables are not known")) from error
+                saved.restore()
+                self._refused(error, base)
+
+    def _saved(self, args, kwargs):
+        """Host copies of what a call may update, or None if they cannot be found."""
+        variables = self._state() if self._state is not None else self._captured(args, kwargs)
+        return None if variables is None else _HostCopies(variables)
+
+    def _captured(self, args, kwargs):
+        """The variables the traced step captures (traced first, as its call would)."""
+        trace = getattr(self._step, "get_concrete_function", None)
+        if trace is None:
+            return None
+        with _Entered(self.loop):
+            try:
+                return trace(*args, **kwargs).variables
+            except BudgetError as error:
+                raise self.loop.budget_error(error) from None
 
     def _traced(self, *args, **kwargs):
         try:
@@ -492,8 +564,13 @@ class MeasuredStep:
         if len(self._peaks) < MEASURED_CALLS:
             return out
         peak, self._peaks = max(self._peaks), []
+        self._observe(peak, breakdown)
+        return out
+
+    def _observe(self, peak, breakdown=None, refused=False):
+        """Give the loop a plan's measured peak and turn to the plan it asks for."""
         try:
-            action = self.loop.observe(peak, breakdown)
+            action = self.loop.observe(peak, breakdown, refused)
         except BudgetError as error:
             self._unfit = error
             raise
@@ -504,13 +581,30 @@ class MeasuredStep:
             self._step = self._first
         if self.loop.done:
             self._first = None
-        return out
 
-    def _ran_out(self, error, settled):
-        """The BudgetError for a call the allocator refused. A plan on trial: the step
-        failed part way (some variables may be updated), so it is not run
-        again; a replan whose first plan measured within the budget gives way
-        to that plan for the next calls, otherwise every later call raises. The
+    def _refused(self, error, base):
+        """An undone call the allocator refused: a measurement of more than the
+        budget (the call's peak so far and the refused allocation, at least
+        the budget), which the loop answers like one over it: a replan, the
+        first plan, the lowest plan, or a BudgetError."""
+        needed = max(self.loop.trace.promise, _peak_since(base)) + _refused_bytes(error)
+        self._peaks = []
+        logger.warning("memsave: %s: the allocator refused a call of the %s plan (estimated "
+                       "%.1f MiB; it needed more than %.1f MiB): undone, and run again on "
+                       "the plan the budget loop turns to: %s", self.loop.where,
+                       "replanned" if self.loop.replanned else "first",
+                       (self.loop.trace.estimate or 0) / 2 ** 20, needed / 2 ** 20,
+                       _oom_line(error))
+        self.loop.refusals += 1
+        self._observe(needed, refused=True)
+
+    def _ran_out(self, error, settled, why=None):
+        """The BudgetError for a call the allocator refused that cannot be undone.
+        A plan on trial whose call cannot be run again (``why``: it reads its
+        batch itself, or its variables are not known): the step failed part
+        way (some variables may be updated);
+        a replan whose first plan measured within the budget gives way to
+        that plan for the next calls, otherwise every later call raises. The
         ``settled`` plan: said with the largest peak the loop measured."""
         loop, mib = self.loop, 2 ** 20
         promise = loop.trace.promise
@@ -523,9 +617,10 @@ class MeasuredStep:
         first = loop.first is not None and loop.first[1] <= AIM * promise
         said = ("memsave: %s: the allocator ran out of memory in a call of the %s "
                 "plan (estimated %.1f MiB) under a budget of %.1f MiB; the step failed and "
-                "was not run again (variables it updated before the failure keep the update)" % (
+                "cannot be run again (%s; variables it updated before the failure keep "
+                "the update)" % (
                     loop.where, "replanned" if loop.replanned else "first",
-                    (loop.trace.estimate or 0) / mib, promise / mib))
+                    (loop.trace.estimate or 0) / mib, promise / mib, why))
         if loop.replanned and first:
             self._step, self._first, loop.done = self._first, None, True
             logger.warning("%s; back to the first plan, measured %.1f MiB",
@@ -536,6 +631,68 @@ class MeasuredStep:
                                   "%.0f%% of the budget on its estimate): %s" % (
                                       100 * FIRST_AIM, _oom_line(error)))
         return self._unfit
+
+
+def same_arguments(args, kwargs):
+    """``replay`` for a step given its batch: the same arguments again. None
+    where one is an iterator: a run again would read the next batch."""
+    for a in tf.nest.flatten((args, kwargs)):
+        if isinstance(a, (tf.data.Iterator, tf.distribute.DistributedIterator,
+                          collections.abc.Iterator)):
+            return None
+    return lambda: (args, kwargs)
+
+
+class _HostCopies:
+    """Host copies (numpy, outside TensorFlow's allocator and the device) of
+    variables, to undo a call the allocator refused."""
+
+    def __init__(self, variables):
+        unique = {id(v): v for v in variables}.values()
+        self._values = [(v, np.array(v.numpy(), copy=True)) for v in unique]
+
+    def restore(self):
+        for v, value in self._values:
+            v.assign(value)
+
+
+def _meter_base():
+    """The allocator's bytes in use, its peak reset (None without statistics)."""
+    try:
+        base = profile.memory_info()["current"]
+    except RuntimeError:
+        return None
+    tf.config.experimental.reset_memory_stats(profile.default_device())
+    return base
+
+
+def _peak_since(base):
+    """The allocator's peak above ``base`` since :func:`_meter_base` (0 if unknown)."""
+    if base is None:
+        return 0
+    try:
+        return max(0, profile.memory_info()["peak"] - base)
+    except RuntimeError:
+        return 0
+
+
+_OOM_SHAPE = re.compile(r"OOM when allocating tensor with shape\[([\d, ]*)\] and type (\w+)")
+
+
+def _refused_bytes(error):
+    """The bytes of the allocation an allocator's error names (0 if none is named)."""
+    found = _OOM_SHAPE.search(error.message or "")
+    if not found:
+        return 0
+    try:
+        size = tf.as_dtype(found.group(2)).size
+    except TypeError:
+        return 0
+    count = 1
+    for dim in found.group(1).replace(" ", "").split(","):
+        if dim:
+            count *= int(dim)
+    return count * size
 
 
 def _oom_line(error):

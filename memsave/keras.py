@@ -27,6 +27,7 @@ turns into True where a GPU is visible) the step is traced for XLA and
 barriers, so that XLA keeps it (see ``xla=`` there).
 """
 
+import collections.abc
 import functools
 import logging
 
@@ -132,8 +133,55 @@ def _make_train_function(model, make, settings):
         make(force=True)
         inner, model.train_function = model.train_function, outer
         return inner
-    model.train_function = budget.MeasuredStep(build, "memsave.keras(%s)" % model.name)
+    model.train_function = budget.MeasuredStep(
+        build, "memsave.keras(%s)" % model.name, state=lambda: _training_state(model),
+        replay=lambda args, kwargs: _replayed_batch(model, args, kwargs))
     return model.train_function
+
+
+def _training_state(model):
+    """What a training step may update: the model's, the optimizer's and the metrics'
+    variables (restored if the allocator refuses a call, see :mod:`memsave.budget`).
+    The optimizer is built first, as ``fit`` would in the first step: slots made
+    inside a refused call would keep its update."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
+    return (list(model.variables) + list(getattr(optimizer, "variables", None) or [])
+            + list(getattr(model, "metrics_variables", None) or []))
+
+
+def _replayed_batch(model, args, kwargs):
+    """``replay`` for Keras' train function (see :class:`memsave.budget.MeasuredStep`).
+
+    ``fit`` passes an iterator that the function reads inside ``tf.function``:
+    its next batch is read here and given again, in an iterator of its own
+    with the same element spec (so nothing is traced again), to each run of
+    the call; ``train_on_batch`` passes a generator of its one batch, read
+    here the same way. None (the call is not run again) where a call reads
+    several batches (``steps_per_execution``) or a distributed iterator.
+    """
+    if kwargs or len(args) != 1 or getattr(model, "steps_per_execution", 1) != 1:
+        return None
+    batches = args[0]
+    if isinstance(batches, tf.data.Iterator):
+        value = batches.get_next_as_optional()
+        if not value.has_value():
+            return lambda: (args, kwargs)   # the end of the data: Keras stops on its own
+        data, spec = value.get_value(), batches.element_spec
+        return lambda: ((iter(tf.data.Dataset.from_generator(
+            lambda: iter([data]), output_signature=spec)),), {})
+    if isinstance(batches, collections.abc.Iterator) and not isinstance(
+            batches, tf.distribute.DistributedIterator):
+        data = next(batches, _END)
+        if data is _END:
+            return lambda: (args, kwargs)
+        return lambda: ((iter([data]),), {})
+    return None
+
+
+_END = object()
 
 
 def _budget_keeping(model, make):
