@@ -708,7 +708,10 @@ def budgeted(step):
 
     The second and third calls are measured; if the larger peak is over a
     byte budget (or more than 10% below it), the step is traced again with a
-    corrected target, once. See the module docstring. Returns a callable to
+    corrected target, once. A call the allocator refuses meanwhile is undone
+    (the variables the traced step captures are restored) and run again
+    with the same arguments on the plan the loop turns to, unless one of
+    them is an iterator. See the module docstring. Returns a callable to
     use in place of ``step``.
     """
     if not callable(step):
