@@ -49,11 +49,12 @@ the pre-step baseline), kept by a loop around the training step:
 4. A call of a plan on trial that the allocator refuses (a full device) is
    undone and run again: the variables it may update were copied to host
    memory (numpy) before it and are restored, the loop takes the refusal as
-   a measurement of more than the budget (the call's peak so far and the
-   refused allocation, at least the budget; an estimate above that bound
-   is not trusted) and turns to the plan it asks for (a replan, the first
+   a measurement of more than the budget (the call's peak so far, at least
+   the budget; an estimate above that bound is not trusted) and turns to the plan it asks for (a replan, the first
    plan, the lowest plan), and the same call runs on it. Where none is
-   left, a :class:`~memsave.BudgetError` with the variables restored. A
+   left, a :class:`~memsave.BudgetError` with the variables restored (so
+   too where TensorFlow left a per-step temporary variable of the refused
+   call behind, which fails every later step that makes it). A
    call that cannot be run again (the step reads its batch from an
    iterator it is given; Keras' own iterator is read ahead and replayed)
    raises a BudgetError instead, the step's updates kept: a replan refused
@@ -337,12 +338,14 @@ class Loop:
             raise BudgetError(
                 "no plan fits a budget of %.1f MiB on the allocator: the %s plan "
                 "%s %.1f MiB%s (estimated %.1f; the first plan was estimated %.1f and "
-                "measured %.1f MiB)%s" % (
+                "%s %.1f MiB)" % (
                     promise / mib, "lowest" if self.trace.lowest else "last",
-                    _measured_as(refused), measured / mib, "" if measured > promise else
+                    _measured_as(refused), measured / mib,
+                    "; the allocator refused its call, which was undone" if refused else
+                    "" if measured > promise else
                     ", more than %.0f%% of the budget, within a step's variation between "
-                    "calls" % (100 * AIM), estimate / mib, self.first[0] / mib, first / mib,
-                    "; its call was undone" if refused else ""))
+                    "calls" % (100 * AIM), estimate / mib, self.first[0] / mib,
+                    _measured_as(self.first_refused), first / mib))
         said = ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, %s %.1f "
                 "MiB; replanned to estimate %.1f, %s %.1f MiB" % (
                     self.where, promise / mib, self.first[0] / mib,
@@ -379,6 +382,10 @@ class Loop:
             "estimated %.1f and measured %.1f MiB)" % (
                 promise / mib, self.would_measure(smallest, kinder=True) / mib,
                 smallest / mib, estimate / mib, measured / mib))
+
+
+def _plan_on_trial(loop):
+    return "lowest" if loop.last_resort else "replanned" if loop.replanned else "first"
 
 
 def _measured_as(refused):
@@ -520,6 +527,12 @@ class MeasuredStep:
                         "its variables are not known")) from error
                 saved.restore()
                 self._refused(error, base)
+            except tf.errors.AlreadyExistsError as error:
+                if not self.loop.refusals or "__per_step" not in (error.message or ""):
+                    raise
+                if saved is not None:
+                    saved.restore()
+                raise self._left_behind(error) from error
 
     def _saved(self, args, kwargs):
         """Host copies of what a call may update, or None if they cannot be found."""
@@ -584,19 +597,37 @@ class MeasuredStep:
 
     def _refused(self, error, base):
         """An undone call the allocator refused: a measurement of more than the
-        budget (the call's peak so far and the refused allocation, at least
-        the budget), which the loop answers like one over it: a replan, the
-        first plan, the lowest plan, or a BudgetError."""
-        needed = max(self.loop.trace.promise, _peak_since(base)) + _refused_bytes(error)
+        budget (its peak so far, at least the budget), which the loop answers
+        like one over it: a replan, the first plan, the lowest plan, or a
+        BudgetError. (The refused allocation is not added: it may be scratch
+        that no plan changes, such as XLA's 220 MiB buffer of a depthwise
+        convolution's gradient, or a chunk that only the pool's
+        fragmentation refused.)"""
+        needed = max(self.loop.trace.promise, _peak_since(base))
         self._peaks = []
         logger.warning("memsave: %s: the allocator refused a call of the %s plan (estimated "
                        "%.1f MiB; it needed more than %.1f MiB): undone, and run again on "
                        "the plan the budget loop turns to: %s", self.loop.where,
-                       "replanned" if self.loop.replanned else "first",
+                       _plan_on_trial(self.loop),
                        (self.loop.trace.estimate or 0) / 2 ** 20, needed / 2 ** 20,
                        _oom_line(error))
         self.loop.refusals += 1
         self._observe(needed, refused=True)
+
+    def _left_behind(self, error):
+        """The BudgetError, for this and every later call, where a call run again
+        after a refused one finds a per-step temporary variable that the refused
+        call made and TensorFlow did not free (Grappler rewrites a large gradient
+        sum into AccumulateNV2, which runs on a TemporaryVariable; an aborted
+        step leaves it behind, and every later step that makes it fails)."""
+        self._unfit = BudgetError(
+            "memsave: %s: after the allocator refused a call under a budget of %.1f MiB, "
+            "TensorFlow left a per-step temporary variable of that call behind, and every "
+            "step that makes one of that name fails in this process; the call was undone "
+            "(the variables restored). Restart the process with a lower budget: %s" % (
+                self.loop.where, self.loop.trace.promise / 2 ** 20 if self.loop.trace.promise
+                else 0.0, _line_with(error, "__per_step")))
+        return self._unfit
 
     def _ran_out(self, error, settled, why=None):
         """The BudgetError for a call the allocator refused that cannot be undone.
@@ -619,8 +650,8 @@ class MeasuredStep:
                 "plan (estimated %.1f MiB) under a budget of %.1f MiB; the step failed and "
                 "cannot be run again (%s; variables it updated before the failure keep "
                 "the update)" % (
-                    loop.where, "replanned" if loop.replanned else "first",
-                    (loop.trace.estimate or 0) / mib, promise / mib, why))
+                    loop.where, _plan_on_trial(loop), (loop.trace.estimate or 0) / mib,
+                    promise / mib, why))
         if loop.replanned and first:
             self._step, self._first, loop.done = self._first, None, True
             logger.warning("%s; back to the first plan, measured %.1f MiB",
@@ -676,30 +707,23 @@ def _peak_since(base):
         return 0
 
 
-_OOM_SHAPE = re.compile(r"OOM when allocating tensor with shape\[([\d, ]*)\] and type (\w+)")
+# The allocator's line (TensorFlow's kernels), or XLA's ('... allocate 220.50MiB.').
+_OOM_NAMED = re.compile(r"OOM when allocating tensor|Out of memory while trying to allocate")
 
-
-def _refused_bytes(error):
-    """The bytes of the allocation an allocator's error names (0 if none is named)."""
-    found = _OOM_SHAPE.search(error.message or "")
-    if not found:
-        return 0
-    try:
-        size = tf.as_dtype(found.group(2)).size
-    except TypeError:
-        return 0
-    count = 1
-    for dim in found.group(1).replace(" ", "").split(","):
-        if dim:
-            count *= int(dim)
-    return count * size
+def _line_with(error, text):
+    """The first line of ``error``'s message that contains ``text`` (else its last)."""
+    lines = [line.strip() for line in (error.message or "").splitlines() if line.strip()]
+    return next((line for line in lines if text in line), lines[-1] if lines else "")
 
 
 def _oom_line(error):
     """The line of an allocator's error that names the refused allocation (a
-    graph's error starts with 'Graph execution error:')."""
+    graph's error starts with 'Graph execution error:' and ends with a hint
+    that mentions OOM too)."""
     lines = [line.strip() for line in error.message.splitlines() if line.strip()]
-    return next((line for line in lines if "OOM" in line), lines[-1] if lines else "")
+    named = [line for line in lines if _OOM_NAMED.search(line)]
+    return (named or [line for line in lines if "OOM" in line and not line.startswith("Hint")]
+            or lines[-1:] or [""])[0]
 
 
 def budgeted(step):
