@@ -50,18 +50,18 @@ the pre-step baseline), kept by a loop around the training step:
    undone and run again: the variables it may update were copied to host
    memory (numpy) before it and are restored, the loop takes the refusal as
    a measurement of more than the budget (the call's peak so far, at least
-   the budget; an estimate above that bound is not trusted) and turns to the plan it asks for (a replan, the first
-   plan, the lowest plan), and the same call runs on it. Where none is
-   left, a :class:`~memsave.BudgetError` with the variables restored (so
-   too where TensorFlow left a per-step temporary variable of the refused
-   call behind, which fails every later step that makes it). A
-   call that cannot be run again (the step reads its batch from an
-   iterator it is given; Keras' own iterator is read ahead and replayed)
-   raises a BudgetError instead, the step's updates kept: a replan refused
-   after a first plan measured within the budget gives the next calls to
-   that plan; otherwise every later call raises. A later call of the
-   settled plan refused so is a BudgetError with the largest peak the loop
-   measured.
+   the budget; an estimate above that bound is not trusted) and turns to
+   the plan it asks for (a replan, the first plan, the lowest plan), and
+   the same call runs on it. Where none is left, a
+   :class:`~memsave.BudgetError` with the variables restored (so too where
+   TensorFlow left a per-step temporary variable of the refused call
+   behind, which fails every later step that makes it). A call that cannot
+   be run again (the step reads its batch from an iterator it is given;
+   Keras' own iterator is read ahead and replayed) raises a BudgetError
+   instead, the step's updates kept: a replan refused after a first plan
+   measured within the budget gives the next calls to that plan; otherwise
+   every later call raises. A later call of the settled plan refused so is
+   a BudgetError with the largest peak the loop measured.
 
 Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
 automatically; a custom loop opts in with :func:`budgeted`. A fraction
@@ -633,9 +633,9 @@ class MeasuredStep:
         """The BudgetError for a call the allocator refused that cannot be undone.
         A plan on trial whose call cannot be run again (``why``: it reads its
         batch itself, or its variables are not known): the step failed part
-        way (some variables may be updated);
-        a replan whose first plan measured within the budget gives way to
-        that plan for the next calls, otherwise every later call raises. The
+        way (some variables may be updated); a replan whose first plan
+        measured within the budget gives way to that plan for the next
+        calls, otherwise every later call raises. The
         ``settled`` plan: said with the largest peak the loop measured."""
         loop, mib = self.loop, 2 ** 20
         promise = loop.trace.promise
