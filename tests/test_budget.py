@@ -543,6 +543,15 @@ def test_a_temporary_variable_left_behind_by_a_refused_call_is_a_budget_error():
     assert weight.numpy() == 1.0
 
 
+def test_a_call_is_run_again_with_its_arguments_unless_it_reads_an_iterator():
+    x = tf.ones([2])
+    again = budget.same_arguments((x,), {"scale": 2.0})
+    assert again() == ((x,), {"scale": 2.0})
+    batches = iter(tf.data.Dataset.range(3))
+    assert budget.same_arguments((batches,), {}) is None   # a run again reads the next batch
+    assert budget.same_arguments((), {"data": iter([1, 2])}) is None
+
+
 def test_a_call_the_allocator_refuses_is_a_budget_error():
     calls = []
 
