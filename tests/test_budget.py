@@ -25,8 +25,10 @@ from memsave.profile import peak_memory
 BATCH, WIDTH, DEPTH = 2048, 64, 24
 
 
-def _chain_step(budget_bytes=None):
-    """A tf.function: 24 tanh layers, the plain tape or memsave's with ``budget_bytes``."""
+def _chain(budget_bytes=None, rate=None):
+    """(a tf.function over 24 tanh layers, its weights), the plain tape or memsave's
+    with ``budget_bytes``: the step returns the gradients of the summed squares,
+    or with ``rate`` trains the weights by SGD on their mean and returns it."""
     rng = np.random.RandomState(0)
     ws = [tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32))
           for _ in range(DEPTH)]
@@ -40,9 +42,19 @@ def _chain_step(budget_bytes=None):
             h = x
             for w in ws:
                 h = tf.tanh(h @ w)
-            loss = tf.reduce_sum(h * h)
-        return tape.gradient(loss, ws)
-    return step
+            loss = tf.reduce_sum(h * h) if rate is None else tf.reduce_mean(h * h)
+        grads = tape.gradient(loss, ws)
+        if rate is None:
+            return grads
+        for w, g in zip(ws, grads):
+            w.assign_sub(rate * g)
+        return loss
+    return step, ws
+
+
+def _chain_step(budget_bytes=None):
+    """The step of :func:`_chain`, returning gradients."""
+    return _chain(budget_bytes)[0]
 
 
 def _settled(step):
@@ -412,30 +424,7 @@ def test_a_replan_of_a_rewritten_region_stays_a_rewrite():
     assert budget.Loop("test").planning(_settings(10 * plain), graph).budget > plain
 
 
-def _training_chain(budget_bytes=None, rate=0.05):
-    """The chain of :func:`_chain_step` trained by SGD: (a step returning the loss,
-    its weights)."""
-    rng = np.random.RandomState(0)
-    ws = [tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32))
-          for _ in range(DEPTH)]
-    x = tf.constant(rng.randn(BATCH, WIDTH).astype(np.float32))
-
-    @tf.function
-    def step():
-        tape = (tf.GradientTape() if budget_bytes is None else
-                memsave.GradientTape(checkpoints="optimal", budget=budget_bytes))
-        with tape:
-            h = x
-            for w in ws:
-                h = tf.tanh(h @ w)
-            loss = tf.reduce_mean(h * h)
-        for w, g in zip(ws, tape.gradient(loss, ws)):
-            w.assign_sub(rate * g)
-        return loss
-    return step, ws
-
-
-TRAINING_STEPS = 8
+TRAINING_STEPS, RATE = 8, 0.05
 
 # Under a hard limit: a budgeted training step whose plan on trial the
 # allocator refuses. argv: the budget, where to save the weights, and which
@@ -455,7 +444,7 @@ if which == "first":
 else:
     budget.FIRST_AIM, budget.UPWARD_SLOPE = 0.5, 1e-9
     budget._correction = lambda *error: lambda promise: 3 * promise
-step, ws = t._training_chain(target)
+step, ws = t._chain(target, t.RATE)
 step = memsave.budgeted(step)
 for _ in range(t.TRAINING_STEPS):
     step()
@@ -466,7 +455,7 @@ np.save(path, np.concatenate([w.numpy().ravel() for w in ws]))
 
 
 def _plain_trained():
-    step, ws = _training_chain()
+    step, ws = _chain(rate=RATE)
     for _ in range(TRAINING_STEPS):
         step()
     return np.concatenate([w.numpy().ravel() for w in ws])
