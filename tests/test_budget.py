@@ -179,6 +179,28 @@ def test_a_looser_replan_that_overshoots_goes_back_to_the_first_plan(plain_peak,
     _assert_same(_chain_step()(), step())
 
 
+def _observed(loop, promise, estimate, measured):
+    """``loop.observe(measured)`` for a plan of ``estimate`` under ``promise``."""
+    loop.trace.promise, loop.trace.estimates = promise, [estimate]
+    return loop.observe(measured)
+
+
+def test_a_replan_that_measures_less_than_a_first_plan_within_the_budget_gives_way_to_it():
+    # GPT2's upward replan measured 79% of its budget, its first plan 88%:
+    # both fit, and the one closer to the budget is kept (it recomputes less).
+    loop = budget.Loop("test")
+    assert _observed(loop, 100, 80, 88) == budget.REPLAN
+    assert _observed(loop, 100, 90, 79) == budget.FIRST and loop.done
+    # A replan that measures more, within the band, is kept.
+    loop = budget.Loop("test")
+    assert _observed(loop, 100, 80, 85) == budget.REPLAN
+    assert _observed(loop, 100, 90, 92) is None and loop.done
+    # A first plan over the budget is never taken back, however low the replan.
+    loop = budget.Loop("test")
+    assert _observed(loop, 100, 80, 104) == budget.REPLAN
+    assert _observed(loop, 100, 60, 70) is None and loop.done
+
+
 def test_a_replan_over_the_budget_is_followed_by_the_lowest_plan(plain_peak, monkeypatch,
                                                                  caplog):
     # The first plan overshoots and the replan's correction is wrong the other
