@@ -27,8 +27,9 @@ the pre-step baseline), kept by a loop around the training step:
    put on the tensor whose backward made it in every later plan, and the
    first plan is re-estimated with it before the error is taken (a buffer
    no plan changes is not an error that scales with the plan). Two bounds
-   keep the replan's own measured calls within the budget, since they run
-   before the loop can go back: a replan above the first plan adds to its
+   keep the replan's own measured calls near the budget, since they run
+   before the loop can go back (on a full device, a call over it is
+   refused and run again, see 4.): a replan above the first plan adds to its
    estimate no more than would fit if each byte measured
    :data:`UPWARD_SLOPE` bytes, and a replan of a rewritten step stays a
    rewrite (below plain backprop's estimate), since the first plan's error
@@ -191,7 +192,8 @@ class Loop:
         """The most a replan may estimate so that, if each byte it adds to the first
         plan's estimate measured :data:`UPWARD_SLOPE` bytes, its measured calls
         still fit the budget: they run before the loop can go back to the first
-        plan, and on a full device a call over the budget fails."""
+        plan (on a full device, a call over the budget is refused, undone and
+        run again on the first plan)."""
         estimate, measured = self.first
         return max(estimate, estimate + (promise - measured) / UPWARD_SLOPE)
 
