@@ -54,9 +54,11 @@ the pre-step baseline), kept by a loop around the training step:
    the budget; an estimate above that bound is not trusted) and turns to
    the plan it asks for (a replan, the first plan, the lowest plan), and
    the same call runs on it. Where none is left, a
-   :class:`~memsave.BudgetError` with the variables restored (so too where
-   TensorFlow left a per-step temporary variable of the refused call
-   behind, which fails every later step that makes it). A call that cannot
+   :class:`~memsave.BudgetError` with the variables restored. A per-step
+   temporary variable that TensorFlow left behind after the refused call
+   (which fails every later step that makes one of its name) is freed by
+   clearing the eager kernel cache, and the call is undone and run again.
+   A call that cannot
    be run again (the step reads its batch from an iterator it is given;
    Keras' own iterator is read ahead and replayed) raises a BudgetError
    instead, the step's updates kept: a replan refused after a first plan
@@ -500,6 +502,7 @@ class MeasuredStep:
         self._calls = 0
         self._peaks = []      # the current plan's measured calls
         self._unfit = None    # the BudgetError of a lowest plan measured over the budget
+        self._cleared = 0     # kernel caches cleared of what a refused call left behind
 
     def __call__(self, *args, **kwargs):
         if self._unfit is not None:
@@ -544,7 +547,9 @@ class MeasuredStep:
                     raise
                 if saved is not None:
                     saved.restore()
-                raise self._left_behind(error) from error
+                if saved is None or self._cleared >= self.loop.refusals:
+                    raise self._left_behind(error) from error
+                self._clear_left_behind(error)
 
     def _saved(self, args, kwargs):
         """Host copies of what a call may update, or None if they cannot be found."""
@@ -626,17 +631,34 @@ class MeasuredStep:
         self.loop.refusals += 1
         self._observe(needed, refused=True)
 
+    def _clear_left_behind(self, error):
+        """A call run again after a refused one found a per-step temporary variable
+        that the refused call made and TensorFlow did not free (Grappler rewrites a
+        large gradient sum into AccumulateNV2, which runs on a TemporaryVariable;
+        it lives in a step container that function kernels share and that is
+        cleaned only when a kernel is destroyed): the eager kernel cache is
+        cleared, which frees it, and the call, undone, runs again as its plan's
+        first (its functions are instantiated again). Once per refused call."""
+        self._cleared += 1
+        self._calls -= 1
+        logger.warning("memsave: %s: a call run again after a refused one found a per-step "
+                       "temporary variable the refused call left behind; the call was undone, "
+                       "the eager kernel cache is cleared to free it (stateful kernels restart, "
+                       "functions are optimized again), and the call runs again: %s",
+                       self.loop.where, _line_with(error, "__per_step"))
+        tf_internal.clear_kernel_cache()
+
     def _left_behind(self, error):
-        """The BudgetError, for this and every later call, where a call run again
-        after a refused one finds a per-step temporary variable that the refused
-        call made and TensorFlow did not free (Grappler rewrites a large gradient
-        sum into AccumulateNV2, which runs on a TemporaryVariable; an aborted
-        step leaves it behind, and every later step that makes it fails)."""
+        """The BudgetError, for this and every later call, where a per-step temporary
+        variable that a refused call left behind is found again after the kernel
+        cache was cleared (see :meth:`_clear_left_behind`), or by a call that
+        cannot be undone."""
         self._unfit = BudgetError(
             "memsave: %s: after the allocator refused a call under a budget of %.1f MiB, "
-            "TensorFlow left a per-step temporary variable of that call behind, and every "
-            "step that makes one of that name fails in this process; the call was undone "
-            "(the variables restored). Restart the process with a lower budget: %s" % (
+            "TensorFlow left a per-step temporary variable of that call behind, and "
+            "clearing the eager kernel cache did not free it (or the call cannot be "
+            "undone); the call was undone where it could be (the variables restored). "
+            "Restart the process with a lower budget: %s" % (
                 self.loop.where, self.loop.trace.promise / 2 ** 20 if self.loop.trace.promise
                 else 0.0, _line_with(error, "__per_step")))
         return self._unfit

@@ -209,6 +209,10 @@ _SYMBOLS_TABLE = (
     # (tf.raw_ops lacks it); memsave inserts it only where XLA compiles the step.
     ("xla_optimization_barrier",
      "tensorflow.compiler.tf2xla.ops.gen_xla_ops.xla_optimization_barrier"),
+    # The eager context: clearing its kernel cache is the only way to free a
+    # per-step resource an aborted function call left in the shared step
+    # container (tf.config has no such call).
+    ("eager_context", "tensorflow.python.eager.context.context"),
     # The profiler's trace (what tf.profiler.experimental.stop writes): its
     # allocator events are the only per-allocation record of a step; TF exports
     # no reader for the file.
@@ -253,6 +257,16 @@ def function_options(function):
     return dict(jit_compile=function._jit_compile,  # pylint: disable=protected-access
                 reduce_retracing=function._reduce_retracing,  # pylint: disable=protected-access
                 autograph=function._autograph)  # pylint: disable=protected-access
+
+
+def clear_kernel_cache():
+    """Drop the eager context's cached kernels and function instantiations: each
+    function kernel's step container ('__per_step_0', shared on the device) is
+    cleaned when it is destroyed, and with it a TemporaryVariable that a
+    refused call made and never destroyed (TF 2.21). Stateful kernels restart
+    (an op-seeded stateful random op repeats its sequence) and every function
+    is instantiated (optimized by Grappler) again on its next call."""
+    eager_context().clear_kernel_cache()
 
 
 def op_id(op):

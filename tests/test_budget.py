@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import memsave
 import memsave.keras
-from memsave import budget
+from memsave import budget, tf_internal
 from memsave.profile import peak_memory
 
 BATCH, WIDTH, DEPTH = 2048, 64, 24
@@ -458,7 +458,7 @@ import sys
 import numpy as np
 logging.basicConfig()   # memsave's warnings to stderr
 import memsave
-from memsave import budget
+from memsave import budget, tf_internal
 from tests import test_budget as t
 target, path, which = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if which == "first":
@@ -527,31 +527,55 @@ def test_the_refused_allocation_is_named_from_either_allocator_message():
     assert budget._oom_line(refused("first\nlast")) == "last"
 
 
-def test_a_temporary_variable_left_behind_by_a_refused_call_is_a_budget_error():
-    # TensorFlow does not free the per-step temporary variable of an aborted
-    # step (Grappler's AccumulateNV2 of a large gradient sum), and every later
-    # step that makes one of that name fails: the rerun is undone too, and
-    # said, not left half applied behind a raw AlreadyExistsError.
-    weight = tf.Variable(1.0)
-    builds = []
+_LEFT_BEHIND = ("Resource __per_step_0/ArithmeticOptimizer/AddOpsRewrite_AddN_1/tmp_var/"
+                "N10tensorflow19TemporaryVariableOp6TmpVarE does not exist")
 
+
+def _leaking_step(weight, outcomes):
+    """A MeasuredStep whose calls update ``weight`` and then raise the next of
+    ``outcomes`` (an error class, or None: the call runs), as TF does after a
+    refused call whose per-step temporary variable it left behind."""
     def build():
-        builds.append(1)
-        first = len(builds) == 1
-
         def step():
             weight.assign_add(1.0)
-            if first:
-                raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
-            raise tf.errors.AlreadyExistsError(
-                None, None, "Resource __per_step_0/ArithmeticOptimizer/AddOpsRewrite_AddN_1/"
-                "tmp_var/N10tensorflow19TemporaryVariableOp6TmpVarE does not exist")
+            error = outcomes.pop(0) if outcomes else None
+            if error is not None:
+                raise error(None, None, "OOM when allocating" if
+                            error is tf.errors.ResourceExhaustedError else _LEFT_BEHIND)
+            return weight.value()
         return step
     step = budget.MeasuredStep(build, "test", state=lambda: [weight])
     step.loop.trace.promise, step.loop.trace.estimates = 2 ** 20, [2 ** 19]
+    return step
+
+
+def test_a_temporary_variable_left_behind_by_a_refused_call_is_freed_and_the_call_run_again(
+        monkeypatch, caplog):
+    # TensorFlow does not free the per-step temporary variable of an aborted
+    # step (Grappler's AccumulateNV2 of a large gradient sum) until a function
+    # kernel is destroyed, and every step that makes one of that name fails:
+    # the rerun is undone, the kernel cache cleared, and the call run again.
+    cleared = []
+    monkeypatch.setattr(tf_internal, "clear_kernel_cache", lambda: cleared.append(1))
+    weight = tf.Variable(1.0)
+    step = _leaking_step(weight, [tf.errors.ResourceExhaustedError, tf.errors.AlreadyExistsError])
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        assert step().numpy() == 2.0   # applied once: the refused call and the failed rerun undone
+    assert cleared == [1] and step.loop.refusals == 1
+    assert any("eager kernel cache is cleared" in r.getMessage() for r in caplog.records)
+    assert step._calls == 1   # pylint: disable=protected-access   (its plan's first call)
+
+
+def test_a_temporary_variable_left_behind_again_is_a_budget_error(monkeypatch):
+    # Clearing the kernel cache did not free it: undone, and said, not left
+    # half applied behind a raw AlreadyExistsError.
+    monkeypatch.setattr(tf_internal, "clear_kernel_cache", lambda: None)
+    weight = tf.Variable(1.0)
+    step = _leaking_step(weight, [tf.errors.ResourceExhaustedError,
+                                  tf.errors.AlreadyExistsError, tf.errors.AlreadyExistsError])
     with pytest.raises(memsave.BudgetError, match="left a per-step temporary variable"):
         step()
-    assert weight.numpy() == 1.0 and step.loop.refusals == 1 and len(builds) == 2
+    assert weight.numpy() == 1.0 and step.loop.refusals == 1
     with pytest.raises(memsave.BudgetError, match="left a per-step temporary variable"):
         step()
     assert weight.numpy() == 1.0
