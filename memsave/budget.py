@@ -29,8 +29,8 @@ the pre-step baseline), kept by a loop around the training step:
    no plan changes is not an error that scales with the plan). Two bounds
    keep the replan's own measured calls near the budget, since they run
    before the loop can go back (on a full device, a call over it is
-   refused and run again, see 4.): a replan above the first plan adds to its
-   estimate no more than would fit if each byte measured
+   refused and run again, see 4.): a replan above the first plan adds to
+   its estimate no more than would fit if each byte measured
    :data:`UPWARD_SLOPE` bytes, and a replan of a rewritten step stays a
    rewrite (below plain backprop's estimate), since the first plan's error
    says nothing of plain's, which runs in the executor's order. Where
@@ -43,10 +43,10 @@ the pre-step baseline), kept by a loop around the training step:
 3. The replanned step is measured once more and both figures are logged.
    Above :data:`AIM` of the budget counts as over it (a later call may
    measure a few percent more). A first plan within it is taken back where
-   the replan is over it or measured less than the first plan. A replan over it, with
-   no first plan within it, is followed by the lowest plan, measured once
-   more (a WARNING says so); the lowest plan measured over it is a
-   :class:`~memsave.BudgetError` with the measured figures.
+   the replan is over it or measured less than the first plan. A replan
+   over it, with no first plan within it, is followed by the lowest plan,
+   measured once more (a WARNING says so); the lowest plan measured over
+   it is a :class:`~memsave.BudgetError` with the measured figures.
 4. A call of a plan on trial that the allocator refuses (a full device) is
    undone and run again: the variables it may update were copied to host
    memory (numpy) before it and are restored, the loop takes the refusal as
@@ -58,13 +58,13 @@ the pre-step baseline), kept by a loop around the training step:
    temporary variable that TensorFlow left behind after the refused call
    (which fails every later step that makes one of its name) is freed by
    clearing the eager kernel cache, and the call is undone and run again.
-   A call that cannot
-   be run again (the step reads its batch from an iterator it is given;
-   Keras' own iterator is read ahead and replayed) raises a BudgetError
-   instead, the step's updates kept: a replan refused after a first plan
-   measured within the budget gives the next calls to that plan; otherwise
-   every later call raises. A later call of the settled plan refused so is
-   a BudgetError with the largest peak the loop measured.
+   A call that cannot be run again (the step reads its batch from an
+   iterator it is given; Keras' own iterator is read ahead and replayed)
+   raises a BudgetError instead, the step's updates kept: a replan refused
+   after a first plan measured within the budget gives the next calls to
+   that plan; otherwise every later call raises. A later call of the
+   settled plan refused so is a BudgetError with the largest peak the loop
+   measured.
 
 Keras (:func:`memsave.keras.enable` with a byte budget) runs the loop
 automatically; a custom loop opts in with :func:`budgeted`. A fraction
@@ -637,8 +637,8 @@ class MeasuredStep:
         large gradient sum into AccumulateNV2, which runs on a TemporaryVariable;
         it lives in a step container that function kernels share and that is
         cleaned only when a kernel is destroyed): the eager kernel cache is
-        cleared, which frees it, and the call, undone, runs again as its plan's
-        first (its functions are instantiated again). Once per refused call."""
+        cleared, which frees it, and the call, undone, runs again (the failed run
+        not counted among the plan's calls). Once per refused call."""
         self._cleared += 1
         self._calls -= 1
         logger.warning("memsave: %s: a call run again after a refused one found a per-step "
