@@ -458,7 +458,7 @@ import sys
 import numpy as np
 logging.basicConfig()   # memsave's warnings to stderr
 import memsave
-from memsave import budget, tf_internal
+from memsave import budget
 from tests import test_budget as t
 target, path, which = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if which == "first":
