@@ -744,9 +744,14 @@ def _peak_since(base):
 # The allocator's line (TensorFlow's kernels), or XLA's ('... allocate 220.50MiB.').
 _OOM_NAMED = re.compile(r"OOM when allocating tensor|Out of memory while trying to allocate")
 
+def _message_lines(error):
+    """``error``'s message, a stripped line each, blank lines left out."""
+    return [line.strip() for line in (error.message or "").splitlines() if line.strip()]
+
+
 def _line_with(error, text):
     """The first line of ``error``'s message that contains ``text`` (else its last)."""
-    lines = [line.strip() for line in (error.message or "").splitlines() if line.strip()]
+    lines = _message_lines(error)
     return next((line for line in lines if text in line), lines[-1] if lines else "")
 
 
@@ -754,7 +759,7 @@ def _oom_line(error):
     """The line of an allocator's error that names the refused allocation (a
     graph's error starts with 'Graph execution error:' and ends with a hint
     that mentions OOM too)."""
-    lines = [line.strip() for line in error.message.splitlines() if line.strip()]
+    lines = _message_lines(error)
     named = [line for line in lines if _OOM_NAMED.search(line)]
     return (named or [line for line in lines if "OOM" in line and not line.startswith("Hint")]
             or lines[-1:] or [""])[0]
