@@ -38,7 +38,7 @@ MIB = 2 ** 20
 SIZES = {"GPT2": (8, None), "BERT": (8, None), "MobileNetV2": (16, 128)}
 QUICK_SIZES = {"GPT2": (4, None), "BERT": (4, None), "MobileNetV2": (8, 64)}
 MODELS = ("GPT2", "BERT")
-STEPS = 7   # enough for the loop to measure two calls, replan once and measure two again
+STEPS = 9   # enough for the loop to measure three calls, replan once and measure three again
 # The budget memsave is given: this share of what the cap leaves above the
 # baseline. The cap limits the allocator's pool, the budget the bytes in use;
 # BFC's chunks and bins waste a fifth to a third of a capped pool (MobileNetV2
@@ -103,7 +103,7 @@ def child(name, quick, mode, budget, grads_path):
     error = max(float(np.abs(a - b).max()) for a, b in zip(plain, first)) / scale
     out = dict(outcome="trained", loss=float(loss), gradient_error=error)
     if mode == "memsave":
-        out.update(peak=peak_memory(step), replans=step.loop.replans,
+        out.update(peak=peak_memory(step), replans=step.loop.replans, peaks=step.loop.peaks,
                    first_measured=step.loop.first[1] if step.loop.first else None)
     return out
 
