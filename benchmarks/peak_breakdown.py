@@ -20,7 +20,7 @@ from benchmarks import cli
 
 CONFIGS = (("plain", None), ("optimal", "optimal"))
 MIB = 2 ** 20
-_ESTIMATE = re.compile(r"estimated backward peak: ([0-9.]+) MB \(plain: ([0-9.]+) MB\)")
+_ESTIMATE = re.compile(r"estimated backward peak: ([0-9.]+) MiB \(plain: ([0-9.]+) MiB\)")
 
 
 class _Estimates(logging.Handler):

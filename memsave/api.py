@@ -217,8 +217,8 @@ def _plain_is_better(chosen, settings):
     if settings.fallback and settings.checkpoints.by_name and chosen.worse_than_plain():
         # A named strategy is a means to save memory; an explicit list or a
         # callable is the user's own choice and is honoured.
-        logger.info("memsave: the %s plan's estimated peak (%.1f MB) is not below plain "
-                    "backprop's (%.1f MB); using plain tf.gradients", chosen.strategy,
+        logger.info("memsave: the %s plan's estimated peak (%.1f MiB) is not below plain "
+                    "backprop's (%.1f MiB); using plain tf.gradients", chosen.strategy,
                     chosen.estimated_peak_bytes / 2**20, chosen.plain_peak_bytes / 2**20)
         return True
     return False

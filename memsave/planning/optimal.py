@@ -347,7 +347,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
                     ["no checkpointed plan recomputes at most %g%% of a training step: "
                      "plain backprop" % (100 * max_recompute)], recompute_fraction=0.0)
     peak, _, kept, off, flops = _choose(options, limit, cap, plain, max_recompute, offload)
-    notes = [] if limit is None else ["budget %.1f MB" % (limit / 2**20)]
+    notes = [] if limit is None else ["budget %.1f MiB" % (limit / 2**20)]
     if cap is not None:
         notes.append("recompute capped at %g%% of a training step" % (100 * max_recompute))
     return Plan("optimal", topological(graph, kept), forced, int(peak), int(plain), notes,
@@ -514,11 +514,11 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
     chosen = _fastest_fitting(options, limit)
     if chosen is None:
         error = BudgetError(
-            "no plan fits a budget of %.1f MB%s; the smallest estimated peak is %s "
-            "(plain: %.1f MB)%s" % (
+            "no plan fits a budget of %.1f MiB%s; the smallest estimated peak is %s "
+            "(plain: %.1f MiB)%s" % (
                 limit / 2**20, "" if cap is None else
                 " recomputing at most %g%% of a training step" % (100 * max_recompute),
-                "%.1f MB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
+                "%.1f MiB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
                 plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
         # For memsave.budget, which restates the error in the budget's terms.
         error.smallest = min((p[0] for p in options), default=None)

@@ -42,7 +42,7 @@ class Plan:
 
     def summary(self):
         def mb(b):
-            return "%.1f MB" % (b / 2**20)
+            return "%.1f MiB" % (b / 2**20)
         lines = ["memsave plan (%s): %d checkpoint(s), %d forced" % (
             self.strategy, len(self.checkpoints), len(self.forced))]
         lines.append("  estimated backward peak: %s (plain: %s)" % (
