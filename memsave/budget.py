@@ -347,9 +347,6 @@ class Loop:
         self.first, self.first_refused = (estimate, measured), refused
         self.first_kept = self.trace.kept
         self.first_fits = self.fits(spread)
-        calls = ("" if self.first_fits >= AIM * promise else
-                 "; its calls spread over %.1f MiB, so at most %.1f MiB" % (
-                     spread / mib, self.first_fits / mib))
         if (1 - TOLERANCE) * promise <= measured <= self.first_fits:
             self.done = True
             logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
@@ -364,6 +361,9 @@ class Loop:
         self._note_scratch(breakdown, measured)
         self.replanned = True
         self.trace = _Trace()
+        calls = ("" if self.first_fits >= AIM * promise else
+                 "; its calls spread over %.1f MiB, so at most %.1f MiB" % (
+                     spread / mib, self.first_fits / mib))
         logger.info("memsave: %s: budget %.1f MiB, first plan %s %.1f MiB (estimated "
                     "%.1f%s); replanning once", self.where, promise / mib,
                     _measured_as(refused), measured / mib, estimate / mib, calls)
