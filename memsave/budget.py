@@ -14,7 +14,7 @@ the pre-step baseline), kept by a loop around the training step:
 2. The next :data:`MEASURED_CALLS` calls of the step are measured, and the
    largest peak is taken (the first includes tracing and one-time
    allocations). The calls of one plan vary (GPT2's with SGD updates,
-   80-94% of its budget over forty calls), so a plan fits if its largest
+   80-94% of its budget over forty calls, ``benchmarks.call_spread``), so a plan fits if its largest
    call is within :data:`AIM` of the budget and leaves
    :data:`SPREAD_MARGIN` times its calls' spread below it (a later call
    may measure more). If the peak is past that margin, or more than
@@ -128,15 +128,16 @@ SCRATCH_MIN = 0.02
 
 # The calls of one plan that updates its variables measure differently
 # (an update runs in place or on a copy, as the executor's order has it):
-# GPT2 at 4 x 128 tokens with SGD, one plan, forty calls: 80.2-93.5% of its
+# GPT2 at 4 x 128 tokens with SGD, one plan, forty calls: 79.9-93.8% of its
 # budget (a step without updates: the same figure at every call). So each
 # plan's MEASURED_CALLS calls are measured, and a plan fits if its largest
 # leaves its calls' spread (largest less smallest) times SPREAD_MARGIN
 # below the budget, where that is more than AIM leaves. On those forty
-# calls, for a plan whose largest measured call sits at the margin: a later
-# call over the budget 4.5% of the time with two measured calls, 2.2% with
-# three, 2.0% with three and the spread's margin (1.7% at 1.5 times the
-# spread, at the cost of replans: BERT's three calls once spread over 10%).
+# calls, for a plan that just passes that margin, a later call is over the
+# budget 6.0% of the time with two measured calls, 3.3% with three, 2.7%
+# with three and the spread's margin (1.8% at 1.5 times the spread, at the
+# cost of replans: BERT's three calls once spread over 10%);
+# ``python -m benchmarks.call_spread``.
 SPREAD_MARGIN = 1.0
 
 REPLAN, FIRST = "replan", "first"   # what Loop.observe asks of the step
