@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from memsave.graph.region import loop_accumulators
 from memsave.profile import peak_memory, session_step
 from tests.builders import gelu
 
@@ -233,3 +234,61 @@ def test_weight_gradients_are_reduced_in_their_segment(cap):
     measured = peak_memory(step)
     plan = box["plan"]
     assert measured <= 1.1 * plan.estimated_peak_bytes, (measured / 2**20, plan.summary())
+
+
+
+def _recurrent_step(layer, steps, tape):
+    """One training step of a Keras ``layer`` (batch 32, 64 features, 128
+    units) over ``steps`` steps, through ``tape``, and what its trace finds:
+    memsave's plan, the loop, and the accumulators its gradient pushes."""
+    import keras   # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((steps, 64)), getattr(keras.layers, layer)(128),
+                              keras.layers.Dense(10)])
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.rand(32, steps, 64).astype(np.float32))
+    y = tf.constant(rng.randint(0, 10, 32))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    found = {}
+
+    @tf.function
+    def step():
+        with tape() as t:
+            loss = loss_fn(y, model(x, training=True))
+        found["plan"] = memsave.plan(loss, model.trainable_variables)
+        [found["loop"]] = [op for op in loss.graph.get_operations() if op.type == "While"]
+        found["accumulated"] = loop_accumulators(found["loop"])
+        grads = t.gradient(loss, model.trainable_variables)
+        body = getattr(found["loop"], "_body_graph", None)
+        found["pushed"] = [op.inputs[1] for op in (body.get_operations() if body else ())
+                           if op.type == "TensorListPushBack"]
+        return grads
+
+    return step, found
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
+def test_a_while_loops_accumulators_are_what_its_gradient_pushes(layer):
+    """Differentiating a while loop makes every iteration push the body
+    tensors the body's gradient reads onto TensorLists: most of a Keras
+    RNN's memory, and not among the loop's outputs when it is planned.
+    memsave's count is TensorFlow's, but for variable reads, which TF
+    pushes too but which alias the variable (no copy)."""
+    step, found = _recurrent_step(layer, 50, tf.GradientTape)
+    step.get_concrete_function()
+    pushed = sum(t.shape.num_elements() * t.dtype.size for t in found["pushed"]
+                 if t.op.type != "ReadVariableOp")
+    assert found["accumulated"] == 50 * pushed > 0
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
+def test_a_recurrent_steps_estimate_counts_its_loop(layer):
+    """Without the accumulators a Keras RNN's step was estimated at 0.1 MiB
+    against 2.8-20.9 measured. With them (LSTM 11.7 MiB, GRU 10.2, SimpleRNN
+    3.9 at 100 steps) the estimate is within 0.4-2 times the meter,
+    whose reading of one loop varies between runs (GRU: 10.7-17.6)."""
+    step, found = _recurrent_step(layer, 100, lambda: memsave.GradientTape(checkpoints="optimal"))
+    measured = peak_memory(step)
+    estimate = found["plan"].estimated_peak_bytes
+    print("\n%s: estimated %.1f MiB, measured %.1f" % (layer, estimate / 2**20, measured / 2**20))
+    assert 0.4 * measured <= estimate <= 2 * measured

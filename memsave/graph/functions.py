@@ -122,6 +122,14 @@ def _bodies_of(op):
             for key, position, py_attr, name in _body_slots(op)]
 
 
+def loop_body(op):
+    """The body FuncGraph of a ``While`` ``op`` (rebuilt if ``op`` does not carry it)."""
+    for key, _, _, body in _bodies_of(op):
+        if key == "body":
+            return body
+    raise ValueError("%s is a %s, not a while loop" % (op.name, op.type))
+
+
 def copy_bodies(op, inputs, outer_graph, create_op):
     """Deep copies of ``op``'s bodies for a copy of ``op`` that reads ``inputs``.
 
