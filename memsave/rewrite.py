@@ -29,7 +29,8 @@ import toposort
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, functions, optable
 from memsave.graph.edit import barrier, fence, joined_waits
-from memsave.graph.region import in_place_closure
+from memsave.graph.walk import forward_ops
+from memsave.graph.region import differentiable, in_place_closure
 from memsave.graph.schedule import reducers_first
 
 logger = logging.getLogger("memsave")
@@ -114,6 +115,58 @@ class _Accumulator:
 
     def total(self, t):
         return self._sums.get(t.ref())
+
+
+def differentiated_once(region, checkpoints):
+    """``checkpoints``, and the outputs of each op that runs a user's gradient
+    (see :func:`functions.runs_users_gradient`) which several segments
+    would differentiate.
+
+    An op recomputed in several segments is differentiated in each, with
+    the part of its output gradient that segment's readers send, and the
+    parts' results are summed: right for a gradient linear in the output
+    gradient, as TensorFlow's are. A ``tf.custom_gradient`` that clips its
+    output gradient is not (its gradient was 0.65 of the largest entry off
+    plain's, without an error). Kept, such an op is differentiated once, in
+    its own segment, with its outputs' whole running sums. Keeping a tensor
+    can only split segments, so this repeats until nothing changes.
+    """
+    memo = {}
+    users = [op for op in region.order
+             if op in region.copyable and functions.runs_users_gradient(op, memo)]
+    if not users:
+        return list(checkpoints)
+    kept = list(checkpoints)
+    stop = {t.ref() for t in kept}
+    ys = {y.ref() for y in region.ys}
+    added, changed = [], True
+    while changed:
+        changed = False
+        for op in users:
+            outs = [t for t in op.outputs if t.ref() not in stop and differentiable(t)
+                    and (t.ref() in ys or any(c in region.ops for c in t.consumers()))]
+            if outs and _segments_reaching(op, kept, stop, ys, region) > 1:
+                kept.extend(outs)
+                stop.update(t.ref() for t in outs)
+                added.extend(outs)
+                changed = True
+    if added:
+        logger.info("memsave: %d more tensor(s) kept, output(s) of ops whose gradient a user "
+                    "wrote (tf.custom_gradient, a gradient override) that the plan would "
+                    "differentiate in several segments: such a gradient need not be linear in "
+                    "its output gradient, so it runs once, on the whole of it: %s",
+                    len(added), ", ".join(t.name for t in added[:5]))
+    return kept
+
+
+def _segments_reaching(op, kept, stop, ys, region):
+    """How many segments would differentiate ``op`` (at most: each kept tensor
+    reached from it without crossing another counts as one, the ys not kept
+    as one)."""
+    reached = forward_ops([op], stop_at=kept, within=region.ops)
+    boundaries = {t.ref() for o in reached for t in o.outputs if t.ref() in stop}
+    top = any(ref not in stop and ref.deref().op in reached for ref in ys)
+    return len(boundaries) + int(top)
 
 
 def _checkpoint_levels(region, checkpoints, stop):
@@ -217,6 +270,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
     :func:`memsave.graph.edit.barrier`). Returns one gradient (or None) per x.
     """
     unconnected = grad_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
+    checkpoints = differentiated_once(region, checkpoints)
     run = _Rewrite(region, checkpoints, ledger, name, swap, barriers, grad_kwargs)
     run.top_segment(grad_ys)
     for level in reversed(_checkpoint_levels(region, run.checkpoints, run.stop)):

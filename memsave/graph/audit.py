@@ -24,7 +24,9 @@ What must hold:
   gradient along every live input edge, and along none that plain
   backprop would not use. Each x's result holds exactly the gradients
   that arrive at it. A path on which TensorFlow's own gradient functions
-  return None (Floor-like ops) is not followed further.
+  return None (Floor-like ops) is not followed further. An op that runs a
+  gradient a user wrote, which need not be linear in its output gradient,
+  is differentiated once.
 * **Copies compute what their originals do**: same type, device and
   gradient function, inputs carrying the same values, control-flow bodies
   deep-copied with the same captures (checked when the copies are made,
@@ -334,8 +336,15 @@ def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
                     tokens[(edge, (call.index, image.name))] += 1
         return tokens - accounts.vanished
 
+    memo = {}
     for op in plain.sending:
         got = collections.Counter()
+        if (len(differentiations.get(op, ())) > 1
+                and functions.runs_users_gradient(op, memo)):
+            problems.append(
+                "%s runs a gradient a user wrote, which need not be linear in its output "
+                "gradient, in segments %s, each on part of it; tf.gradients runs it once"
+                % (op.name, ", ".join(str(call.index) for call, _, _ in differentiations[op])))
         for call, image, arrived in differentiations.get(op, ()):
             got.update(arrived)
             sent = accounts.inputs[(call, image)]

@@ -122,6 +122,36 @@ def _bodies_of(op):
             for key, position, py_attr, name in _body_slots(op)]
 
 
+def runs_users_gradient(op, memo):
+    """Whether differentiating ``op`` runs a gradient a user wrote: ``op``'s
+    own (a ``tf.custom_gradient``, a ``gradient_override_map``: the
+    ``_gradient_op_type`` attribute), or one inside a function it calls or a
+    control-flow body of it. TensorFlow applies a gradient once, to the sum
+    of the gradients its outputs receive; its own gradients are linear in
+    that sum, a user's need not be (one that clips it is not).
+    ``memo``: ``{FuncGraph id: answer}``, shared across calls."""
+    try:
+        op.get_attr("_gradient_op_type")
+        return True
+    except ValueError:
+        pass
+    if has_bodies(op):
+        inner = [body for _, _, _, body in _bodies_of(op)]
+    elif tf_internal.is_function_call(op):
+        inner = [tf_internal.called_graph(op)]
+    else:
+        return False
+    for graph in inner:
+        if graph is None:
+            continue
+        if id(graph) not in memo:
+            memo[id(graph)] = False   # a recursive function is not one
+            memo[id(graph)] = any(runs_users_gradient(o, memo) for o in graph.get_operations())
+        if memo[id(graph)]:
+            return True
+    return False
+
+
 def loop_body(op):
     """The body FuncGraph of a ``While`` ``op`` (rebuilt if ``op`` does not carry it)."""
     for key, _, _, body in _bodies_of(op):
