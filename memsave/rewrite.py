@@ -29,9 +29,9 @@ import toposort
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, functions, optable
 from memsave.graph.edit import barrier, fence, joined_waits
-from memsave.graph.walk import forward_ops
 from memsave.graph.region import differentiable, in_place_closure
 from memsave.graph.schedule import reducers_first
+from memsave.graph.walk import forward_ops
 
 logger = logging.getLogger("memsave")
 
@@ -126,7 +126,7 @@ def differentiated_once(region, checkpoints):
     the part of its output gradient that segment's readers send, and the
     parts' results are summed: right for a gradient linear in the output
     gradient, as TensorFlow's are. A ``tf.custom_gradient`` that clips its
-    output gradient is not (its gradient was 0.65 of the largest entry off
+    output gradient is not (gradients up to 0.88 of the largest entry off
     plain's, without an error). Kept, such an op is differentiated once, in
     its own segment, with its outputs' whole running sums. Keeping a tensor
     can only split segments, so this repeats until nothing changes.
