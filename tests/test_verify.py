@@ -227,5 +227,8 @@ def test_later_steps_hold_nothing_for_the_check():
     for tag in ("RESULT", "SESSION"):
         line = out.stdout.split(tag)[1].split("\n")[0]
         plain, first, later = map(int, line.split())
-        assert later <= 1.1 * plain, (tag, plain, first, later)
+        # Held activations would show as the first call's 4x. Holding nothing,
+        # a Session's least of five still measured 14% and 13.5% over plain,
+        # once each, beside make test's other worker (the executor's order).
+        assert later <= 1.25 * plain, (tag, plain, first, later)
         assert first > 1.3 * plain, (tag, plain, first, later)   # plain backprop ran once
