@@ -14,10 +14,10 @@ the pre-step baseline), kept by a loop around the training step:
 2. The next :data:`MEASURED_CALLS` calls of the step are measured, and the
    largest peak is taken (the first includes tracing and one-time
    allocations). The calls of one plan vary (GPT2's with SGD updates,
-   80-94% of its budget over forty calls, ``benchmarks.call_spread``), so a plan fits if its largest
-   call is within :data:`AIM` of the budget and leaves
-   :data:`SPREAD_MARGIN` times its calls' spread below it (a later call
-   may measure more). If the peak is past that margin, or more than
+   80-94% of its budget over forty calls, ``benchmarks.call_spread``), so
+   a plan fits if its largest call is within :data:`AIM` of the budget and
+   leaves :data:`SPREAD_MARGIN` times its calls' spread below it (a later
+   call may measure more). If the peak is past that margin, or more than
    :data:`TOLERANCE` below the budget, memsave retraces once with a corrected
    target: the estimate's error, taken as a ratio or as an offset,
    whichever is safer (an estimate above the measurement trusted up to

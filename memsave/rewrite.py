@@ -145,7 +145,7 @@ def differentiated_once(region, checkpoints):
         for op in users:
             outs = [t for t in op.outputs if t.ref() not in stop and differentiable(t)
                     and (t.ref() in ys or any(c in region.ops for c in t.consumers()))]
-            if outs and _segments_reaching(op, kept, stop, ys, region) > 1:
+            if outs and _segments_reaching(op, stop, ys, region) > 1:
                 kept.extend(outs)
                 stop.update(t.ref() for t in outs)
                 added.extend(outs)
@@ -159,11 +159,11 @@ def differentiated_once(region, checkpoints):
     return kept
 
 
-def _segments_reaching(op, kept, stop, ys, region):
-    """How many segments would differentiate ``op`` (at most: each kept tensor
-    reached from it without crossing another counts as one, the ys not kept
-    as one)."""
-    reached = forward_ops([op], stop_at=kept, within=region.ops)
+def _segments_reaching(op, stop, ys, region):
+    """How many segments would differentiate ``op`` (at most: each kept tensor,
+    of the refs ``stop``, reached from it without crossing another counts as
+    one, the ys not kept as one)."""
+    reached = forward_ops([op], stop_at=stop, within=region.ops)
     boundaries = {t.ref() for o in reached for t in o.outputs if t.ref() in stop}
     top = any(ref not in stop and ref.deref().op in reached for ref in ys)
     return len(boundaries) + int(top)

@@ -28,6 +28,11 @@ def refs(tensors):
     return {t.ref() for t in tensors}
 
 
+def _stop_refs(stop_at):
+    """A walk's ``stop_at``: tensors, or already a set or dict of their refs."""
+    return stop_at if isinstance(stop_at, (set, frozenset, dict)) else refs(stop_at)
+
+
 def backward_ops(seeds, stop_at=(), within=None, control=False, stopped=None):
     """Ops reachable backward from ``seeds`` (seeds included).
 
@@ -36,7 +41,7 @@ def backward_ops(seeds, stop_at=(), within=None, control=False, stopped=None):
     also follows control inputs. If ``stopped`` is a dict, the ``stop_at``
     tensors the walk ran into are put in it, keyed by ref.
     """
-    stop = stop_at if isinstance(stop_at, (set, frozenset, dict)) else refs(stop_at)
+    stop = _stop_refs(stop_at)
 
     def producers(op):
         for t in op.inputs:
@@ -54,10 +59,11 @@ def backward_ops(seeds, stop_at=(), within=None, control=False, stopped=None):
 def forward_ops(seeds, stop_at=(), within=None, control=False):
     """Ops reachable forward from ``seeds`` (seeds included).
 
-    The walk does not leave through a tensor in ``stop_at``; ops outside
-    ``within`` (when given) are neither included nor crossed.
+    The walk does not leave through a tensor in ``stop_at`` (tensors, or a
+    set or dict of their refs); ops outside ``within`` (when given) are
+    neither included nor crossed.
     """
-    stop = refs(stop_at)
+    stop = _stop_refs(stop_at)
 
     def consumers(op):
         for t in op.outputs:

@@ -41,15 +41,15 @@ class Plan:
         return list(self.checkpoints) + [n for n in self.forced if n not in seen]
 
     def summary(self):
-        def mb(b):
+        def mib(b):
             return "%.1f MiB" % (b / 2**20)
         lines = ["memsave plan (%s): %d checkpoint(s), %d forced" % (
             self.strategy, len(self.checkpoints), len(self.forced))]
         lines.append("  estimated backward peak: %s (plain: %s)" % (
-            mb(self.estimated_peak_bytes), mb(self.plain_peak_bytes)))
+            mib(self.estimated_peak_bytes), mib(self.plain_peak_bytes)))
         if self.offloaded:
             lines.append("  offloads %d tensor(s) to the host: %s" % (
-                len(self.offloaded), mb(self.host_bytes)))
+                len(self.offloaded), mib(self.host_bytes)))
         if self.recompute_fraction is not None:
             lines.append("  recomputes about %.1f%% of a training step's work"
                          % (100 * self.recompute_fraction))
