@@ -53,7 +53,7 @@ from memsave.planning.rules import reducer_runs_first
 Prepared = collections.namedtuple(
     "Prepared",
     "names index size saved reads_output preds ys forced early aliases pieces scratch owner "
-    "passes live reads_inputs memo")
+    "passes live reads_inputs cost memo")
 
 
 def _buffer_owners(graph, names, index):
@@ -128,7 +128,8 @@ def prepare(graph):
             live[index[c]] for c in graph.successors(names[i]) if c in index)
     return Prepared(names, index, size, saved, reads_output, preds, ys, forced, early, aliases,
                     pieces, scratch, owner, passes, live,
-                    [graph.nodes[n]["grad_reads_inputs"] for n in names], {})
+                    [graph.nodes[n]["grad_reads_inputs"] for n in names],
+                    [graph.nodes[n]["cost"] for n in names], {})
 
 
 def _memo(p, kind, kept, make):
@@ -212,13 +213,13 @@ def _segments(p, kept):
 
 def _closure(p, boundary, kept):
     """``boundary`` and what backprop below it recomputes: walks stop at kept nodes."""
-    seen, stack = set(), list(boundary)
+    preds, seen = p.preds, set(boundary)
+    stack = list(seen)
     while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(q for q in p.preds[n] if q not in kept)
+        for q in preds[stack.pop()]:
+            if q not in kept and q not in seen:
+                seen.add(q)
+                stack.append(q)
     return seen
 
 
@@ -268,15 +269,14 @@ def recompute_cost(graph, kept, prepared=None):
     """
     p = prepared or prepare(graph)
     idx = kept_indices(p, kept)
-    return _memo(p, "cost", idx, lambda: _recompute_cost(graph, p, idx))
+    return _memo(p, "cost", idx, lambda: _recompute_cost(p, idx))
 
 
-def _recompute_cost(graph, p, idx):
-    nodes = graph.nodes
-    total = 0.0
+def _recompute_cost(p, idx):
+    cost, total = p.cost, 0.0
     for members in rewrite_segments(p, idx):
         for n in _copies_that_run(p, members, idx):
-            total += nodes[p.names[n]]["cost"]
+            total += cost[n]
     return total
 
 
@@ -291,7 +291,9 @@ def _copies_that_run(p, members, idx):
         if n in run or n in aliases or n in forced:
             continue
         run.add(n)
-        stack.extend(q for q in preds[n] if q in inside and q not in idx)
+        for q in preds[n]:
+            if q in inside and q not in idx and q not in run:
+                stack.append(q)
     return run
 
 
@@ -431,7 +433,12 @@ class _Backward:
         self.in_flight = sum(self.flight.values())
         self.sums = sum(self.grad_sums.values())
         self.peak = max(self.peak, self._resident() + swap_fwd + self.held)
-        self.left = collections.Counter(root for n in members for root, _ in p.pieces[n])
+        self.left = left = collections.Counter()
+        pieces = p.pieces
+        for n in members:
+            if pieces[n]:
+                for root, _ in pieces[n]:
+                    left[root] += 1
         self.pending = collections.Counter()
         self.swapped = swap_bwd
         backward_op = self._backward_op
@@ -442,43 +449,24 @@ class _Backward:
             backward_op(members[0])
 
     def _backward_op(self, n):
-        """``n``'s backward: consumes its gradient, makes its inputs' and the
+        """``n``'s backward: consumes its gradient, makes its inputs' gradients
+        (a kept input's is added into its running sum, then freed) and the
         pieces it sends to xs, then frees ``n`` if it was saved."""
         # The planner's innermost loop: every op of every segment of every
-        # candidate plan simulated.
-        p = self.p
-        g = self.flight.pop(n, 0)
+        # candidate plan simulated, so attribute lookups are hoisted (sizes
+        # are ints: the sums are exact in any order).
+        p, size, flight = self.p, self.p.size, self.flight
+        g = flight.pop(n, 0)
         self.in_flight -= g
         frees = self.early_free.get(n)
         if frees:
             early = [o for o in frees if o in self.buffers and o not in self.freed]
             if early:   # the weight gradient runs first and frees its input
                 self.peak = max(self.peak, self._resident() + g + self.swapped + self.held)
-                self.saved -= sum(p.size[o] for o in early)
+                self.saved -= sum(size[o] for o in early)
                 self.freed.update(early)
-        partials = self._input_gradients(n)
-        pieces = p.pieces[n]
-        for root, nbytes in pieces:
-            self.pending[root] += nbytes
-            self.held += nbytes
-        # A gradient that passes through (a reshape's) is the same buffer.
-        base = self._resident() + (0 if p.passes[n] else g) + partials + self.swapped
-        top = base + self.held + p.scratch[n]
-        if top > self.peak:
-            self.peak = top
-        if pieces:
-            self._sum_pieces(n, base)
-        if n in self.buffers and n not in self.freed:
-            self.saved -= p.size[n]
-            self.freed.add(n)
-        if n in self.own:
-            self.release(n)
-
-    def _input_gradients(self, n):
-        """Allocate the gradients ``n``'s backward makes for its inputs; returns
-        the bytes of partials added into running sums (freed right after)."""
-        size, kept, sums, flight, partials = self.p.size, self.kept, self.grad_sums, self.flight, 0
-        for q in self.p.preds[n]:
+        kept, sums, partials = self.kept, self.grad_sums, 0
+        for q in p.preds[n]:
             if q in kept:
                 if q in sums:
                     partials += size[q]  # added into the running sum, then freed
@@ -488,7 +476,25 @@ class _Backward:
             elif q not in flight:
                 flight[q] = size[q]
                 self.in_flight += size[q]
-        return partials
+        pieces = p.pieces[n]
+        if pieces:
+            pending = self.pending
+            for root, nbytes in pieces:
+                pending[root] += nbytes
+                self.held += nbytes
+        # A gradient that passes through (a reshape's) is the same buffer.
+        base = (self.alive_kept + self.sums + self.saved + self.in_flight
+                + (0 if p.passes[n] else g) + partials + self.swapped)
+        top = base + self.held + p.scratch[n]
+        if top > self.peak:
+            self.peak = top
+        if pieces:
+            self._sum_pieces(n, base)
+        if n in self.buffers and n not in self.freed:
+            self.saved -= size[n]
+            self.freed.add(n)
+        if n in self.own:
+            self.release(n)
 
     def _sum_pieces(self, n, base):
         """Sum each x's pieces once ``n`` sent the segment's last one."""
