@@ -218,6 +218,10 @@ def _checked_inputs(target, sources, output_gradients):
         if len(flat_grads) != len(flat_targets):
             raise _Fallback("mismatch", "memsave: output_gradients do not match the targets; "
                             "the plain tf.GradientTape reports the error")
+        if any(g is None for g in flat_grads):
+            # tf.gradients' grad_ys take None as ones; the tape refuses it.
+            raise _Fallback("none-output-gradient", "memsave: an entry of output_gradients "
+                            "is None; the plain tf.GradientTape reports the error")
         flat_grads = [_grad_in_graph(g, graph) for g in flat_grads]
     return graph, flat_targets, flat_raw, flat_xs, flat_grads
 

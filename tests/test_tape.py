@@ -126,6 +126,25 @@ def test_output_gradients_and_nested_sources(rewrites):
     assert rewrites
 
 
+def test_a_none_output_gradient_is_refused_as_by_the_plain_tape():
+    """tf.gradients takes a None grad_ys entry as ones; the tape raises, so must ours."""
+    ws = _variables(4, seed=2)
+    x = _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                h = chain(ws, x)
+                loss = tf.reduce_mean(h)
+            return tape.gradient([loss, h], ws, output_gradients=[None, tf.ones_like(h)])
+        return f()
+
+    for make_tape in (tf.GradientTape, memsave.GradientTape):
+        with pytest.raises(ValueError, match="None"):
+            step(make_tape)
+
+
 @pytest.mark.parametrize("dense_read", [False, True])
 def test_embedding_gradient_stays_sparse(dense_read, rewrites):
     table = tf.Variable(np.random.RandomState(16).randn(50, WIDTH).astype(np.float32))
