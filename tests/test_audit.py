@@ -139,13 +139,14 @@ def test_control_flow_copied_without_its_bodies(monkeypatch):
     from tests.test_op_families import WhileInWhile   # pylint: disable=import-outside-toplevel
     family = WhileInWhile()
 
-    def run():
-        graph = tf.Graph()
-        with graph.as_default():
-            out = family.forward(family.variables())
-            memsave.gradients(out["ys"], out["xs"], checkpoints=out["checkpoints"])
+    variables = family.variables()
 
-    _caught(run, "has no _body_graph")
+    @tf.function   # (in a Session, a loop reading a variable is kept, not copied)
+    def run():
+        out = family.forward(variables)
+        return memsave.gradients(out["ys"], out["xs"], checkpoints=out["checkpoints"])
+
+    _caught(run.get_concrete_function, "has no _body_graph")
 
 
 def test_recomputed_read_after_a_write(monkeypatch):
@@ -170,6 +171,19 @@ def test_recomputed_read_after_a_write(monkeypatch):
     plain = run(lambda loss, xs, below: tf.gradients(loss, xs))
     got = run(ours)
     assert max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(plain, got)) > 1e-3
+
+
+def test_recomputed_call_reading_a_variable_in_a_session(monkeypatch):
+    """In a Session, an optimizer's update made after the gradients may run
+    before a recomputed cond that reads the variable in its body."""
+    from memsave.graph import stateful   # pylint: disable=import-outside-toplevel
+    from tests.test_updates_in_step import _session_step  # pylint: disable=C0415
+    monkeypatch.setattr(stateful, "_read_by_calls", lambda region_ops: {})
+    _caught(lambda: _session_step("cond", True), r"cond.* reads .* in its body and is recomputed")
+    _without_audit(monkeypatch)
+    plain, got = _session_step("cond", False), _session_step("cond", True)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain, got)) > 1e-3 * max(
+        float(np.abs(a).max()) for a in plain)
 
 
 def test_tape_asks_the_placeholder_of_a_nested_call_variable(monkeypatch):

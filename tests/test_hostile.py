@@ -426,8 +426,13 @@ def _side_effect_graph():
             if i == 2:
                 h = tf.cond(tf.reduce_sum(h) > -1e9, lambda: h * 1.5, lambda: h)
             if i == 3:
+                # The loop reads a tensor, not the variable: in a Session a loop
+                # reading a variable in its body is kept (an update made after
+                # the gradients may write it first), and TensorFlow's gradient
+                # of a kept loop changes the loop op, as plain tf.gradients does.
+                w0 = ws[0].read_value()
                 _, h = tf.while_loop(lambda k, s: k < 2,
-                                     lambda k, s: (k + 1, tf.tanh(tf.matmul(s, ws[0]))),
+                                     lambda k, s: (k + 1, tf.tanh(tf.matmul(s, w0))),
                                      [tf.constant(0), h])
             hs.append(h)
         loss = tf.reduce_sum(h * h)

@@ -11,7 +11,8 @@ so a random op recomputed by memsave would show up as a different mask.
 Besides the values, each family states which op types memsave must copy
 (names starting with ``memsave_``: the op really was recomputed) and which
 it must never copy (stateful RNG, ``tf.py_function``, reads of a variable
-written during the step).
+written during the step, and in a Session control flow that reads a
+variable in its body).
 
 Tolerance: ``|a - b| <= 1e-5 * max(1, |a|)`` for float32 families. For mixed
 precision see :class:`MixedPrecision`.
@@ -49,6 +50,10 @@ class Family:
     memory_raises = False       # 'memory' is expected to raise NoBottleneckError
     sparse = ()                 # indices of xs whose gradient must be IndexedSlices
     apart = False               # plain and memsave in separate graphs / traces
+    # Its control flow reads a variable in a body: recomputed in a tf.function,
+    # kept in a Session (an optimizer's update made after the gradients may
+    # write the variable first, see memsave.graph.stateful._read_by_calls).
+    reads_variables_in_bodies = False
     n_vars = 4
 
     def variables(self):
@@ -182,6 +187,7 @@ class StatelessRandom(Family):
 class Cond(Family):
     copied = frozenset({"If", "StatelessIf"})  # at least one of these (see test)
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(8, B, W), vs[0])
@@ -195,6 +201,7 @@ class Cond(Family):
 class WhileLoop(Family):
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(9, B, W), vs[0])
@@ -212,6 +219,7 @@ class Scan(Family):
 
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(10, B, W), vs[0])
@@ -228,6 +236,7 @@ class WhileInWhile(Family):
 
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(30, B, W), vs[0])
@@ -249,6 +258,7 @@ class MapInMap(Family):
 
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(31, B, W), vs[0])
@@ -269,6 +279,7 @@ class MapInWhile(Family):
 
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(32, B, W), vs[0])
@@ -287,6 +298,7 @@ class CondInWhile(Family):
 
     copied = frozenset({"While", "StatelessWhile"})
     any_of = True
+    reads_variables_in_bodies = True
 
     def forward(self, vs):
         h = _layer(_input(33, B, W), vs[0])
@@ -634,13 +646,16 @@ def check_family(name, mode, strategy):
         assert isinstance(result["ours_raw"][i], tf.IndexedSlices), our_kinds
     family.compare(result["plain"], result["ours"])
     copies = result["copies"]
-    if getattr(family, "any_of", False):
-        assert copies & family.copied, "none of %s was recomputed; copies: %s" % (
-            sorted(family.copied), sorted(copies))
+    copied, never_copied = family.copied, family.never_copied
+    if mode == "session" and family.reads_variables_in_bodies:
+        copied, never_copied = frozenset(), never_copied | copied
+    if copied and getattr(family, "any_of", False):
+        assert copies & copied, "none of %s was recomputed; copies: %s" % (
+            sorted(copied), sorted(copies))
     else:
-        missing = family.copied - copies
+        missing = copied - copies
         assert not missing, "%s were not recomputed; copies: %s" % (sorted(missing), sorted(copies))
-    forbidden = family.never_copied & copies
+    forbidden = never_copied & copies
     assert not forbidden, "memsave copied %s, which must not run twice" % sorted(forbidden)
     return family, result
 

@@ -34,7 +34,9 @@ What must hold:
 * **Nothing recomputed may have changed**: no copy of a stateful op, and no
   copy reading a resource that an op may write between the forward read
   and the recomputation (in a ``tf.function``: a writer created after the
-  original; in a plain graph: a writer downstream of the region).
+  original; in a plain graph: a writer downstream of the region, and for a
+  call or control-flow op, any writer, since an optimizer's update made
+  after the gradients runs in the same ``Session.run``).
 * **Segments are fenced**: an op built for one segment reads what an
   earlier segment built only through a fence (see
   :func:`memsave.graph.edit.fence`) or another identity memsave inserted
@@ -570,6 +572,12 @@ def _recomputed_values_may_differ(ledger, region):
                        "result" % (original.name, original.type))
         for h in original.inputs:
             if h.dtype != tf.resource:
+                continue
+            if not by_creation and original.type in stateful.FUNCTION_CALLS:
+                out.append("%s (%s) reads %s in its body and is recomputed, in a graph "
+                           "run by a Session: an update made after the gradients (an "
+                           "optimizer's, in the same run) may write it first"
+                           % (original.name, original.type, h.name))
                 continue
             for writer in h.consumers():
                 if writer in ledger.copy_of or writer is original or not _has_effects(writer):
