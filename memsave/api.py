@@ -9,7 +9,7 @@ from memsave import verify as verify_module
 from memsave.errors import GradientMismatchError
 from memsave.log import warn_once
 from memsave.planning.plan import Plan
-from memsave.graph import audit, graph_tensor
+from memsave.graph import audit, graph_tensor, reaches_xs_through_captures
 from memsave.graph.region import analyze
 from memsave.graph.walk import differentiably_connected
 from memsave.planner import plan_region
@@ -184,6 +184,14 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kw
     if compiled:
         settings = _under_xla(settings)
     with graph.as_default():
+        if reaches_xs_through_captures(ys, xs, graph):
+            warn_once("gradients:captures", (
+                "memsave.gradients: the ys are in a function body (a cond branch or "
+                "a loop body) and read a tensor that the enclosing graph computes from "
+                "an x; tf.gradients differentiates through that capture, which memsave "
+                "cannot rewrite, so plain tf.gradients is used for this call"))
+            return plain_gradients(ys, xs, _resolve_grad_ys(grad_ys, ys, graph), name=name,
+                                   **tf_gradients_kwargs)
         xs = _resolve_xs(xs, graph)
         grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
 

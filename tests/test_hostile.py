@@ -636,3 +636,35 @@ def test_guard_accepts_a_path_without_gradient(strategy):
         ours = memsave.gradients(loss, ws + [side], checkpoints=strategy, min_checkpoint_size=0)
         assert plain[-1] is None and ours[-1] is None
     _run_equal(graph, plain, ours)
+
+
+def test_gradients_in_a_cond_branch_through_a_capture():
+    """tf.gradients called in a cond branch on a y computed there from a tensor
+    of the enclosing graph follows the capture out (tf.hessians does this in a
+    while body): memsave gives the same gradient, not None (by plain
+    tf.gradients, with a WARNING), and tf.hessians under the patch works."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(1)
+        w = tf.Variable(rng.randn(4, 4) * 0.5)
+        h = tf.constant(rng.randn(3, 4))
+        for _ in range(4):
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h ** 2)
+
+        def branch():
+            y = loss * 2.0
+            ours = memsave.gradients(y, [w], checkpoints="optimal", fallback=False)[0]
+            assert ours is not None
+            return tf.gradients(y, [w])[0], ours
+
+        zeros = tf.zeros([4, 4], tf.float64)
+        plain, ours = tf.cond(tf.constant(True), branch, lambda: (zeros, zeros))
+        plain_hessian = tf.hessians(loss, w)[0]
+        with memsave.patch("optimal"):
+            our_hessian = tf.hessians(loss, w)[0]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b, c, d = sess.run([plain, ours, plain_hessian, our_hessian])
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-12 * np.abs(a).max())
+    np.testing.assert_allclose(d, c, rtol=0, atol=1e-12 * np.abs(c).max())

@@ -274,3 +274,47 @@ def _is_outer_graph(outer, graph):
         if graph is outer:
             return True
     return False
+
+
+def reaches_xs_through_captures(ys, xs, graph):
+    """Whether a y of the FuncGraph ``graph`` reads a tensor captured from an
+    enclosing graph that the enclosing graph computes from an x.
+
+    ``tf.gradients`` called in a ``tf.cond`` branch or a loop body follows
+    such a capture out into the enclosing graph (``tf.hessians`` does this
+    in a while body); memsave rewrites one graph, so the x would get None.
+    A capture that is the x itself (Keras' steps in a while loop capture
+    the variables' handles) is read inside and is no such path.
+    """
+    if not isinstance(graph, tf_internal.FuncGraph) or all(
+            isinstance(external, tf_internal.EagerTensor) for external, _ in graph.captures):
+        return False
+    targets = set()
+    for x in xs:
+        for t in (x, getattr(x, "handle", None), getattr(getattr(x, "value", None), "handle", None)):
+            if isinstance(t, tf.Tensor) and not isinstance(t, tf_internal.EagerTensor):
+                targets.add(t.ref())
+    externals = {}   # graph -> {placeholder ref: the captured tensor of an enclosing graph}
+
+    def external_of(t):
+        g = t.graph
+        if g not in externals:
+            externals[g] = ({internal.ref(): external for external, internal in g.captures
+                             if not isinstance(external, tf_internal.EagerTensor)}
+                            if isinstance(g, tf_internal.FuncGraph) else {})
+        return externals[g].get(t.ref())
+
+    from memsave.graph.walk import backward_ops   # pylint: disable=import-outside-toplevel
+    read = [t for op in backward_ops([y.op for y in ys]) for t in op.outputs]
+    stack = [e for e in map(external_of, read) if e is not None and e.ref() not in targets]
+    seen = set()
+    while stack:   # back through the enclosing graphs, from the captured tensors
+        t = stack.pop()
+        if t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        if t.ref() in targets:
+            return True
+        outer = external_of(t)
+        stack.extend([outer] if outer is not None else t.op.inputs)
+    return False
