@@ -1,6 +1,7 @@
 """Public entry points: drop-in replacements for ``tf.gradients``."""
 
 import logging
+import threading
 
 import tensorflow as tf
 
@@ -17,6 +18,10 @@ from memsave.rewrite import SwapConfig, plain_gradients, rewrite
 from memsave.settings import resolve
 
 logger = logging.getLogger("memsave")
+
+# Rewrites in progress in this thread (see differentiate: a gradient function
+# that takes gradients, run while one is built, gets plain tf.gradients).
+_rewriting = threading.local()
 
 def _as_list(value):
     if value is None:
@@ -198,6 +203,15 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kw
         def plain():
             return plain_gradients(ys, xs, grad_ys, name=name, **tf_gradients_kwargs)
 
+        if getattr(_rewriting, "depth", 0):
+            # A gradient function that takes gradients itself (tf.recompute_grad's,
+            # a custom gradient recomputing its body under a tape), run by the
+            # rewrite of an enclosing call: its ops are part of that call's
+            # segment, which the enclosing audit checks; a rewrite of its own
+            # would interleave its segments and fences with the enclosing ones.
+            logger.debug("memsave: a gradient call made while memsave rewrites another "
+                         "(in a gradient function); plain tf.gradients is used for it")
+            return plain()
         if tf_internal.could_possibly_record():
             # The tape would record none of the copies and give None for
             # higher-order gradients where TensorFlow gives them.
@@ -243,8 +257,12 @@ def _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_k
                           model.host_device, model.swapin_ahead, model.swapin_groupby)
         _say_if_offloading_is_a_no_op(swap)
     ledger = audit.Ledger(graph)
-    grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,
-                    barriers=compiled, **tf_gradients_kwargs)
+    _rewriting.depth = getattr(_rewriting, "depth", 0) + 1
+    try:
+        grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,
+                        barriers=compiled, **tf_gradients_kwargs)
+    finally:
+        _rewriting.depth -= 1
     audit.check(ledger, region, grads, tf_gradients_kwargs.get("stop_gradients") or [])
     _check_none_pattern(region.ys, region.xs, grads, grad_ys, name, tf_gradients_kwargs)
     tol = verify_module.tolerance(settings.verify, grads)
