@@ -419,19 +419,19 @@ class Loop:
         smallest, promise = self.trace.smallest, self.trace.promise
         if smallest is None or promise is None:
             return error
-        mib = 2 ** 20
+        mib, sizes = 2 ** 20, getattr(error, "sizes_note", "")
         if self.first is None:
             return BudgetError(
                 "no plan fits a budget of %.1f MiB: the smallest plan is estimated at %.1f "
-                "MiB%s" % (promise / mib, smallest / mib, "; offload='auto' may go lower on "
-                           "a GPU" if self.trace.offload_hint else ""))
+                "MiB%s%s" % (promise / mib, smallest / mib, "; offload='auto' may go lower "
+                             "on a GPU" if self.trace.offload_hint else "", sizes))
         estimate, measured = self.first
         return BudgetError(
             "no plan fits a budget of %.1f MiB on the allocator: the smallest plan would "
             "measure at least about %.1f MiB (estimated %.1f MiB; the first plan was "
-            "estimated %.1f and measured %.1f MiB)" % (
+            "estimated %.1f and measured %.1f MiB)%s" % (
                 promise / mib, self.would_measure(smallest, kinder=True) / mib,
-                smallest / mib, estimate / mib, measured / mib))
+                smallest / mib, estimate / mib, measured / mib, sizes))
 
 
 def _plan_on_trial(loop):

@@ -20,6 +20,10 @@ from memsave.planning import strategies
 
 logger = logging.getLogger("memsave")
 
+SIZES_NOTE = ("; the sizes were nominal (the batch or another axis is unknown where the "
+              "step is traced, e.g. a tf.data batch without drop_remainder): pass "
+              "batch_size= or shapes= to plan on the step's sizes")
+
 
 def plan_region(region, settings, compiled=False):
     """The plan ``settings`` ask for on ``region`` (see :func:`memsave.plan`).
@@ -32,7 +36,15 @@ def plan_region(region, settings, compiled=False):
     graph = to_plan_graph(region, batch_size=settings.batch_size, shapes=resolved.shapes,
                           compiled=compiled).validate()
     loop = budget.active()
-    chosen = _choose_in_budget(graph, region, settings, loop)
+    try:
+        chosen = _choose_in_budget(graph, region, settings, loop)
+    except BudgetError as error:
+        if resolved.nominal or graph.unknown_dims:
+            # Sizes guessed for unknown axes give relative sizes, not the
+            # step's bytes: a budget in bytes needs the real batch.
+            error.sizes_note = SIZES_NOTE
+            error.args = (str(error) + SIZES_NOTE,) + error.args[1:]
+        raise
     if offload_names:
         _check_offloadable(graph, offload_names)
         chosen = strategies.with_offload(graph, chosen, offload_names, settings.offload_model)

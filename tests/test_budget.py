@@ -276,6 +276,23 @@ def test_no_plan_fits_is_a_budget_error_before_the_step():
         step()
 
 
+def test_a_budget_on_nominal_sizes_says_to_pass_the_batch_size():
+    """A batch unknown where the step is built (a placeholder, a tf.data batch
+    without drop_remainder) is planned on nominal sizes, whose bytes need not
+    be the step's: a budget no plan fits says how to give the real sizes."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, WIDTH])
+        rng = np.random.RandomState(0)
+        ws = [tf.Variable((rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32))
+              for _ in range(8)]
+        h = x
+        for w in ws:
+            h = tf.tanh(h @ w)
+        with pytest.raises(memsave.BudgetError, match="nominal.*batch_size="):
+            memsave.gradients(tf.reduce_sum(h * h), ws, checkpoints="optimal", budget=2 ** 10)
+
+
 def test_budgeted_refuses_what_is_not_a_step():
     with pytest.raises(TypeError, match="callable"):
         memsave.budgeted("step")
