@@ -23,6 +23,7 @@ logger = logging.getLogger("memsave")
 # that takes gradients, run while one is built, gets plain tf.gradients).
 _rewriting = threading.local()
 
+
 def _as_list(value):
     if value is None:
         return None

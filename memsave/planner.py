@@ -39,7 +39,7 @@ def plan_region(region, settings, compiled=False):
     try:
         chosen = _choose_in_budget(graph, region, settings, loop)
     except BudgetError as error:
-        if resolved.nominal or graph.unknown_dims:
+        if budget.is_bytes(settings.budget) and (resolved.nominal or graph.unknown_dims):
             # Sizes guessed for unknown axes give relative sizes, not the
             # step's bytes: a budget in bytes needs the real batch.
             error.sizes_note = SIZES_NOTE

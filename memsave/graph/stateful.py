@@ -104,12 +104,12 @@ def written_handles(graph, region_ops):
     recomputation. In a plain graph that is a write downstream of the region
     (writes that do not depend on it, like initializers, run outside the step
     or before the read), and for the handles a call or control-flow op reads,
-    a write not made yet (see :func:`_read_by_calls`). In a ``tf.function`` the ordering edges do not exist
-    yet when gradients are built: automatic control dependencies later order
-    every op touching a resource by creation, so a write created after a
-    reader runs after it, and a copy of the reader created now would run
-    after the write and read the new value. There the writer's id decides
-    (see :func:`is_pinned`).
+    a write not made yet (see :func:`_read_by_calls`). In a ``tf.function``
+    the ordering edges do not exist yet when gradients are built: automatic
+    control dependencies later order every op touching a resource by
+    creation, so a write created after a reader runs after it, and a copy of
+    the reader created now would run after the write and read the new value.
+    There the writer's id decides (see :func:`is_pinned`).
     """
     written = {} if _orders_by_creation(graph) else _read_by_calls(region_ops)
     writers = {}
