@@ -105,6 +105,18 @@ def test_matches_tape(model, n, rewrites):
     assert rewrites == ["optimal"]   # the default
 
 
+def _mean_and_chain_gradient(make_tape, ws, x, sources, output_gradients):
+    """In a tf.function, the gradient of [mean of the chain, the chain] with
+    respect to ``sources``, with ``output_gradients(chain)``."""
+    @tf.function
+    def f():
+        with make_tape() as tape:
+            h = chain(ws, x)
+            loss = tf.reduce_mean(h)
+        return tape.gradient([loss, h], sources, output_gradients=output_gradients(h))
+    return f()
+
+
 def test_output_gradients_and_nested_sources(rewrites):
     ws = _variables(8, seed=2)
     named = {"first": ws[0], "rest": ws[1:5], "pair": (ws[5], ws[6]), "last": ws[7]}
@@ -112,13 +124,8 @@ def test_output_gradients_and_nested_sources(rewrites):
     dh = tf.constant(np.random.RandomState(3).randn(BATCH, WIDTH).astype(np.float32))
 
     def step(make_tape):
-        @tf.function
-        def f():
-            with make_tape() as tape:
-                h = chain(ws, x)
-                loss = tf.reduce_mean(h)
-            return tape.gradient([loss, h], named, output_gradients=[tf.constant(3.0), dh])
-        return f()
+        return _mean_and_chain_gradient(make_tape, ws, x, named,
+                                        lambda h: [tf.constant(3.0), dh])
 
     plain, ours = _both(step)
     assert isinstance(ours, dict) and isinstance(ours["pair"], tuple) and len(ours["rest"]) == 4
@@ -131,18 +138,9 @@ def test_a_none_output_gradient_is_refused_as_by_the_plain_tape():
     ws = _variables(4, seed=2)
     x = _input()
 
-    def step(make_tape):
-        @tf.function
-        def f():
-            with make_tape() as tape:
-                h = chain(ws, x)
-                loss = tf.reduce_mean(h)
-            return tape.gradient([loss, h], ws, output_gradients=[None, tf.ones_like(h)])
-        return f()
-
     for make_tape in (tf.GradientTape, memsave.GradientTape):
         with pytest.raises(ValueError, match="None"):
-            step(make_tape)
+            _mean_and_chain_gradient(make_tape, ws, x, ws, lambda h: [None, tf.ones_like(h)])
 
 
 @pytest.mark.parametrize("dense_read", [False, True])

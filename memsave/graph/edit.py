@@ -248,14 +248,7 @@ def graph_tensor(x, graph):
     tensors of graphs enclosing the FuncGraph; a tensor of an unrelated graph
     is returned unchanged.
     """
-    if tf_internal.is_resource_variable(x):
-        x = x.handle
-    elif isinstance(x, tf.Variable):
-        # A TF1 reference variable: tf.gradients differentiates by its ref tensor.
-        x = tf_internal.ref_variable_tensor(x)
-    elif hasattr(x, "value") and tf_internal.is_resource_variable(getattr(x, "value", None)):
-        # Keras 3 variables wrap a tf.Variable in ``.value``.
-        x = x.value.handle
+    x = _variable_tensor(x)
     if isinstance(x, tf_internal.EagerTensor):
         if not isinstance(graph, tf_internal.FuncGraph):
             raise ValueError("%r belongs to another graph than the one being differentiated" % (x,))
@@ -264,6 +257,19 @@ def graph_tensor(x, graph):
     if x_graph is not None and _is_outer_graph(x_graph, graph):
         x = graph.capture(x)
     # Anything else is returned as it is; the caller reports a foreign graph.
+    return x
+
+
+def _variable_tensor(x):
+    """``x``, or for a variable the tensor ``tf.gradients`` differentiates it by."""
+    if tf_internal.is_resource_variable(x):
+        return x.handle
+    if isinstance(x, tf.Variable):
+        # A TF1 reference variable: tf.gradients differentiates by its ref tensor.
+        return tf_internal.ref_variable_tensor(x)
+    if hasattr(x, "value") and tf_internal.is_resource_variable(getattr(x, "value", None)):
+        # Keras 3 variables wrap a tf.Variable in ``.value``.
+        return x.value.handle
     return x
 
 
@@ -289,11 +295,8 @@ def reaches_xs_through_captures(ys, xs, graph):
     if not isinstance(graph, tf_internal.FuncGraph) or all(
             isinstance(external, tf_internal.EagerTensor) for external, _ in graph.captures):
         return False
-    targets = set()
-    for x in xs:
-        for t in (x, getattr(x, "handle", None), getattr(getattr(x, "value", None), "handle", None)):
-            if isinstance(t, tf.Tensor) and not isinstance(t, tf_internal.EagerTensor):
-                targets.add(t.ref())
+    targets = {t.ref() for t in map(_variable_tensor, xs)
+               if isinstance(t, tf.Tensor) and not isinstance(t, tf_internal.EagerTensor)}
     externals = {}   # graph -> {placeholder ref: the captured tensor of an enclosing graph}
 
     def external_of(t):
