@@ -292,3 +292,41 @@ def test_a_recurrent_steps_estimate_counts_its_loop(layer):
     estimate = found["plan"].estimated_peak_bytes
     print("\n%s: estimated %.1f MiB, measured %.1f" % (layer, estimate / 2**20, measured / 2**20))
     assert 0.4 * measured <= estimate <= 2 * measured
+
+
+def _logits_gradient_reads(op, gradient_ops):
+    """Which of ``op``'s logits and backprop output the gradient ops read."""
+    read = {t.ref() for g in gradient_ops for t in g.inputs}
+    return op.inputs[0].ref() in read, op.outputs[1].ref() in read
+
+
+def test_a_cross_entropy_gradient_reads_its_backprop_not_its_logits():
+    """TensorFlow's gradient of a (sparse) softmax cross-entropy scales the
+    op's second output, softmax minus labels; it reads the logits only for a
+    gradient that reaches that output (a second derivative). Counting the
+    logits put a language model's head twice in plain's estimate (GPT-2 at
+    1,024 tokens: 1.6 GB of logits), and plans kept the logits to recompute
+    the cross-entropy from them."""
+    from memsave.graph.region import analyze, backprop_reads
+    from tensorflow.python.ops import gen_nn_ops
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.Variable(tf.ones((8, 5)))
+        logits = w * 2.0
+        labels = tf.constant([0, 1, 2, 3, 4, 0, 1, 2])
+        loss, backprop = gen_nn_ops.sparse_softmax_cross_entropy_with_logits(logits, labels)
+        op = loss.op
+        before = len(graph.get_operations())
+        tf.gradients(tf.reduce_sum(loss), w)
+        assert _logits_gradient_reads(op, graph.get_operations()[before:]) == (False, True)
+        assert _names(backprop_reads(analyze([tf.reduce_sum(loss)], [w.handle]))[op]) == (
+            [], [backprop.name])
+        # A gradient that reaches output 1 (a second derivative) reads the logits.
+        both = tf.reduce_sum(loss) + tf.reduce_sum(backprop * backprop)
+        assert _names(backprop_reads(analyze([both], [w.handle]))[op]) == (
+            [logits.name], [backprop.name])
+
+
+def _names(reads):
+    return tuple([t.name for t in part] for part in reads)
+

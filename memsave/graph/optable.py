@@ -27,6 +27,9 @@ GRAD_READS_INPUTS = frozenset({
     "FusedBatchNormV3", "MaxPool", "AvgPool", "Conv2DBackpropInput",
 })
 
+# Ops whose gradient for their params is IndexedSlices: one row per lookup.
+SPARSE_GRADIENT = frozenset({"GatherV2", "Gather"})
+
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 
 # Many FLOPs per output byte: worth keeping (or offloading) rather than
@@ -92,9 +95,21 @@ GRAD_READS_OTHER_INPUTS = MATMULS | frozenset({
 })
 
 
-def _reads_per_input(op):
+# Cross-entropies on logits: output 1 is the loss's gradient w.r.t. the
+# logits (softmax minus labels), which their gradient scales; the logits are
+# read only for a gradient that reaches output 1 (a second derivative) or,
+# with dense labels, for the labels' gradient (TensorFlow's nn_grad).
+CROSS_ENTROPIES = frozenset({"SparseSoftmaxCrossEntropyWithLogits",
+                             "SoftmaxCrossEntropyWithLogits"})
+
+
+def _reads_per_input(op, gets_gradient):
     """{input index: (input indices, output indices) its gradient reads}, or None."""
     n = len(op.inputs)
+    if op.type in CROSS_ENTROPIES and n == 2 and len(op.outputs) == 2:
+        logits = [0] if gets_gradient(op.outputs[1]) else []
+        labels = [0] if op.type == "SoftmaxCrossEntropyWithLogits" else []
+        return {0: (logits, [1]), 1: (labels, [])}
     if op.type in GRAD_READS_OTHER_INPUTS:
         return {i: ([j for j in range(n) if j != i], []) for i in range(n)}
     if op.type in ("Div", "RealDiv", "DivNoNan") and n == 2:
@@ -104,16 +119,18 @@ def _reads_per_input(op):
     return None
 
 
-def grad_reads(op, needs_gradient=None):
+def grad_reads(op, needs_gradient=None, gets_gradient=None):
     """(inputs read, outputs read) by ``op``'s gradient.
 
     With ``needs_gradient(tensor)``, only what the gradients of the inputs
     that need one read: the gradient of a constant factor or of data (no x
     behind it) is never used, so the step prunes it, and what only it reads
     is not kept (``0.5 * x`` keeps nothing; ``x ** 3`` does not keep its
-    output).
+    output). ``gets_gradient(output)``: whether backprop sends ``op`` a
+    gradient for that output (default: whether anything reads it).
     """
-    per_input = _reads_per_input(op) if needs_gradient is not None else None
+    gets_gradient = gets_gradient or (lambda t: bool(t.consumers()))
+    per_input = _reads_per_input(op, gets_gradient) if needs_gradient is not None else None
     if per_input is not None:
         ins, outs = set(), set()
         for i, t in enumerate(op.inputs):

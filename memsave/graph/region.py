@@ -314,7 +314,13 @@ def backprop_reads(region):
         # Backprop reaches only the region's tensors and the xs.
         return differentiable(t) and (t.op in region.ops or t.ref() in xs)
 
-    reads = {op: grad_reads(op, needs_gradient) for op in region.order}
+    ys = {y.ref() for y in region.ys}
+
+    def gets_gradient(t):
+        # An output gets a gradient if it is a y or a region op reads it.
+        return t.ref() in ys or any(c in region.ops for c in t.consumers())
+
+    reads = {op: grad_reads(op, needs_gradient, gets_gradient) for op in region.order}
     for op in region.order:
         args = _custom_gradient_args(op, region)
         if args is None:
