@@ -6,9 +6,12 @@ memsave). Its HLO is compiled for an NVIDIA H100 by XLA's GPU compiler on
 this CPU (see :mod:`benchmarks.xla_gpu`) and the table gives the temp
 buffers of the compiled step: the memory for intermediates, which is what
 checkpointing lowers (weights and inputs are arguments, gradients outputs;
-both are the same for every row). Buffer assignment is deterministic: one
-compile per row. Beside them, on the chain: ``tf.recompute_grad`` and JAX's
-``jax.checkpoint`` over 4-layer segments (``prevent_cse`` True and False).
+both are the same for every row), the whole step's memory, the matmul
+FLOPs and a roofline estimate of the step's time on the H100 (see
+:func:`benchmarks.xla_gpu.roofline_seconds`). Buffer assignment is
+deterministic: one compile per row. Beside them, on the chain:
+``tf.recompute_grad`` and JAX's ``jax.checkpoint`` over 4-layer segments
+(``prevent_cse`` True and False).
 
 Where TensorFlow sees a GPU, each step also runs once and the table gets
 the allocator's peak (``tf.config.experimental.get_memory_info``).
@@ -174,10 +177,20 @@ def _jax_chain_rows():
                  jax.ShapeDtypeStruct((c["batch"], c["units"]), jnp.float32))
         lowered = jax.jit(jax.grad(loss)).trace(*specs).lower(lowering_platforms=("cuda",))
         executable = xla_gpu.compile_stablehlo(lowered.as_text())
-        rows.append({"config": "jax.checkpoint (4 layers, prevent_cse=%s)" % prevent_cse,
-                     "temp_mib": xla_gpu.memory(executable)["temp"] / MIB,
-                     "matmul_flops": xla_gpu.matmul_flops(executable)})
+        rows.append(dict(_figures(executable),
+                         config="jax.checkpoint (4 layers, prevent_cse=%s)" % prevent_cse))
     return rows
+
+
+def _figures(executable):
+    """A compiled step's temp and whole-step MiB (temp, arguments and outputs),
+    matmul FLOPs and roofline seconds (see :mod:`benchmarks.xla_gpu`)."""
+    memory = xla_gpu.memory(executable)
+    return {"temp_mib": memory["temp"] / MIB,
+            "step_mib": (memory["temp"] + memory["argument"] + memory["output"]
+                         - memory["alias"]) / MIB,
+            "matmul_flops": xla_gpu.matmul_flops(executable),
+            "roofline_s": xla_gpu.roofline_seconds(executable)}
 
 
 def measure(name):
@@ -197,11 +210,8 @@ def measure(name):
             rows.append({"model": name, "config": label, "error": error_line(e)})
             continue
         build = time.perf_counter() - start
-        executable = xla_gpu.compile_hlo(hlo)
-        rows.append({"model": name, "config": label,
-                     "temp_mib": xla_gpu.memory(executable)["temp"] / MIB,
-                     "matmul_flops": xla_gpu.matmul_flops(executable),
-                     "build_s": build, "device_peak_mib": _device_peak(step)})
+        rows.append(dict(_figures(xla_gpu.compile_hlo(hlo)), model=name, config=label,
+                         build_s=build, device_peak_mib=_device_peak(step)))
     if name == "chain":
         rows += [dict(r, model=name, build_s=None, device_peak_mib=None)
                  for r in _jax_chain_rows()]
@@ -214,31 +224,43 @@ def markdown(rows):
              "GPU compiler on a CPU (`python -m benchmarks.xla`). Temp: XLA's buffers for "
              "intermediates, MiB (weights, inputs and gradients are arguments and outputs, the "
              "same in every row); deterministic, one compile per row. 'vs plain': temp against "
-             "plain XLA's; matmul FLOPs: of the compiled step's matmuls against plain's (what "
-             "XLA recomputes; blank where convolutions, run by cuDNN, are not counted); "
-             "build: trace and rewrite, seconds.", ""]
+             "plain XLA's; step memory: temp, arguments and outputs against plain's; matmul "
+             "FLOPs: of the compiled step's matmuls against plain's (what XLA recomputes); "
+             "H100 time: a roofline estimate of the compiled step against plain's (each kernel "
+             "at the longer of its matmul FLOPs at the tensor cores' peak and its bytes at HBM "
+             "bandwidth, plus a launch: a model, not a measurement; see "
+             "`benchmarks/xla_gpu.py`); both blank where convolutions, run by cuDNN, are not "
+             "counted; build: trace and rewrite, seconds.", ""]
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
-        plain = next(r["temp_mib"] for r in mine if r["config"] == "plain")
-        plain_flops = next(r.get("matmul_flops") for r in mine if r["config"] == "plain")
+        plain = next(r for r in mine if r["config"] == "plain")
         gpu = any(r.get("device_peak_mib") is not None for r in mine)
         lines += ["**%s**" % name, "", LABELS[name], "",
-                  "| config | temp MiB | vs plain | matmul FLOPs vs plain | build s |"
+                  "| config | temp MiB | vs plain | step memory vs plain | matmul FLOPs vs plain "
+                  "| H100 time vs plain (roofline) | build s |"
                   + (" GPU peak MiB |" if gpu else ""),
-                  "|---|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
+                  "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
         for r in mine:
             if "error" in r:
-                lines.append("| %s | raises: %s | | | |" % (r["config"], r["error"]))
+                lines.append("| %s | raises: %s | | | | | |" % (r["config"], r["error"]))
                 continue
-            flops = r.get("matmul_flops")
-            lines.append("| %s | %.1f | %.0f%% | %s | %s |%s" % (
-                r["config"], r["temp_mib"], 100.0 * r["temp_mib"] / plain,
-                "%.3f×" % (flops / plain_flops) if flops and plain_flops else "",
+            lines.append("| %s | %.1f | %.0f%% | %s | %s | %s | %s |%s" % (
+                r["config"], r["temp_mib"], 100.0 * r["temp_mib"] / plain["temp_mib"],
+                _ratio(r, plain, "step_mib", "%.0f%%", 100.0),
+                _ratio(r, plain, "matmul_flops", "%.3f×"),
+                _ratio(r, plain, "roofline_s", "%.3f×"),
                 "%.1f" % r["build_s"] if r.get("build_s") is not None else "",
                 (" %.1f |" % r["device_peak_mib"] if r.get("device_peak_mib") is not None
                  else " |") if gpu else ""))
         lines.append("")
     return "\n".join(lines)
+
+
+def _ratio(row, plain, key, form, scale=1.0):
+    """``row[key]`` against plain's, formatted; blank where either is missing."""
+    if not row.get(key) or not plain.get(key):
+        return ""
+    return form % (scale * row[key] / plain[key])
 
 
 def plot(rows, path):

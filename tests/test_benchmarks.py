@@ -154,3 +154,65 @@ def test_xla_device_check_exports_here_and_runs_where_only_jax_is(tmp_path):
     assert deviceless["chain_optimal.pb"] < 0.5 * deviceless["chain_plain.pb"]
     params = json.loads((tmp_path / "params.json").read_text())
     assert params["chain_plain.pb"] and (tmp_path / "chain_plain.pb").stat().st_size > 0
+
+
+class _Compiled:   # what roofline_seconds and matmul_flops read of an executable
+    def __init__(self, text):
+        self.text = text
+
+    def hlo_modules(self):
+        return [type("Module", (), {"to_string": lambda _: self.text})()]
+
+
+_HLO = """HloModule step, entry_computation_layout={(f32[64,128]{1,0})->f32[64,32]{1,0}}
+
+%gemm (p0: f32[64,128], p1: f32[128,32]) -> f32[64,32] {
+  %p0 = f32[64,128]{1,0} parameter(0)
+  %p1 = f32[128,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (state: (s32[], f32[64,32])) -> (s32[], f32[64,32]) {
+  %state = (s32[], f32[64,32]{1,0}) parameter(0)
+  %x = f32[64,32]{1,0} get-tuple-element(%state), index=1
+  %t = f32[64,32]{1,0} fusion(%x), kind=kLoop, calls=%tanh_fusion
+  %i = s32[] get-tuple-element(%state), index=0
+  ROOT %next = (s32[], f32[64,32]{1,0}) tuple(%i, %t)
+}
+
+%tanh_fusion (q: f32[64,32]) -> f32[64,32] {
+  %q = f32[64,32]{1,0} parameter(0)
+  ROOT %tanh = f32[64,32]{1,0} tanh(%q)
+}
+
+ENTRY %main (a: f32[64,128], w: f32[128,32]) -> f32[64,32] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %w = f32[128,32]{1,0} parameter(1)
+  %m = f32[64,32]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm
+  %v = f32[2048]{0} bitcast(%m)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[64,32]{1,0}) tuple(%z, %m)
+  %loop = (s32[], f32[64,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = f32[64,32]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_roofline_prices_each_kernel_by_its_dot_flops_or_its_bytes():
+    """benchmarks/xla_gpu.py's roofline, on a module written by hand: the
+    gemm fusion costs the longer of its FLOPs at the tensor cores' rate and
+    its bytes at HBM bandwidth, the loop's tanh fusion its bytes once per
+    known trip; views, tuples and constants cost nothing."""
+    from benchmarks import xla_gpu   # pylint: disable=import-outside-toplevel
+    compiled = _Compiled(_HLO)
+    bandwidth = 3352320000000.0       # the H100 target's memory_bandwidth
+    launch = xla_gpu.LAUNCH_SECONDS
+    gemm_flops = 2 * 64 * 32 * 128
+    gemm = max(gemm_flops / xla_gpu.DOT_FLOPS_PER_SECOND["f32"],
+               4 * (64 * 128 + 128 * 32 + 64 * 32) / bandwidth) + launch
+    tanh = 4 * 2 * 64 * 32 / bandwidth + launch
+    assert xla_gpu.roofline_seconds(compiled) == pytest.approx(gemm + 5 * tanh)
+    assert xla_gpu.matmul_flops(compiled) == gemm_flops
+    assert xla_gpu.shape_bytes("(s32[], f32[64,32]{1,0}, bf16[8])") == 4 + 4 * 64 * 32 + 16
+    with_convolution = _HLO + '// custom_call_target="__cudnn$convForward"'
+    assert xla_gpu.roofline_seconds(_Compiled(with_convolution)) is None
