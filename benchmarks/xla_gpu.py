@@ -225,13 +225,14 @@ _NO_KERNEL = frozenset({"parameter", "constant", "bitcast", "get-tuple-element",
 
 
 def roofline_seconds(executable, target=H100):
-    """Estimated run time of a compiled step on the GPU of ``target``, seconds.
+    """Estimated run time of a compiled step on an H100, seconds.
 
     The deviceless executable has no cost analysis and cannot run, so this
     is a roofline over the kernels XLA emitted: each top-level instruction
     (a fusion, a library call, a copy; a while loop's body times its known
-    trip count) takes the longer of its dots' FLOPs at the tensor cores'
-    peak and the bytes of its operands and results at the memory bandwidth,
+    trip count, once where none is known) takes the longer of its dots'
+    FLOPs at the tensor cores' peak (:data:`DOT_FLOPS_PER_SECOND`) and the
+    bytes of its operands and results at ``target``'s memory bandwidth,
     plus a launch. What it weighs right is where a recomputation's time goes
     on a GPU: an elementwise or softmax kernel costs its bytes, which FLOPs
     do not see. Ideal rates, no overlap between kernels, operands counted
