@@ -67,6 +67,27 @@ def _conv_net(dtype="float32", seed=0):
     return loss, [k1, b1, k2, gamma, w]
 
 
+def _language_model(dtype="float64", seed=0):
+    """An embedding read by every layer and tied to the output, and a sparse
+    cross-entropy over the vocabulary: the gather is recomputed in several
+    segments and the cross-entropy's gradient reads its second output."""
+    rng = np.random.RandomState(seed)
+    table = tf.Variable(rng.randn(50, 16).astype(dtype) * 0.5)
+    ws = [tf.Variable(rng.randn(16, 16).astype(dtype) * 0.25) for _ in range(4)]
+    ids = tf.constant(rng.randint(0, 50, (4, 12)))
+    labels = tf.constant(rng.randint(0, 50, (4, 12)))
+
+    def loss():
+        e = tf.gather(table.value(), ids)          # as Keras reads an Embedding
+        h = e
+        for w in ws:
+            h = tf.tanh(h @ w) + e
+        logits = tf.einsum("btd,vd->btv", h, table.value())
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+
+    return loss, [table] + ws
+
+
 def _step(loss, variables, jit=True, **memsave_kwargs):
     def step():
         tape = (memsave.GradientTape(**memsave_kwargs) if memsave_kwargs
@@ -134,7 +155,8 @@ CONFIGS = [dict(checkpoints="optimal"), dict(checkpoints="memory"), dict(checkpo
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join("%s=%s" % kv for kv in c.items()))
 @pytest.mark.parametrize("model,dtype,tolerance", [
-    (_chain, "float64", 1e-12), (_conv_net, "float64", 1e-12), (_conv_net, "float32", 1e-5)])
+    (_chain, "float64", 1e-12), (_conv_net, "float64", 1e-12), (_conv_net, "float32", 1e-5),
+    (_language_model, "float64", 1e-12)])
 def test_gradients_equal_plain_xla(model, dtype, tolerance, config):
     loss, variables = model(dtype=dtype)
     plain = [g.numpy() for g in _step(loss, variables)()]
