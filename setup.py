@@ -17,7 +17,7 @@ setup(
     packages=find_packages(include=["memsave", "memsave.*"]),
     # TensorFlow comes in flavours (tensorflow, tensorflow-cpu, ...): pick one
     # with an extra, or bring your own.
-    install_requires=["numpy", "networkx>=3", "toposort>=1.7"],
+    install_requires=["numpy", "networkx>=3"],
     extras_require={
         "cpu": ["tensorflow-cpu==2.21.0"],
         "gpu": ["tensorflow==2.21.0"],

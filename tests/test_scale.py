@@ -207,3 +207,88 @@ def test_first_copies_wait_through_one_op_per_segment():
     assert edges <= 400, edges   # 172 here; each copy waiting for each sum: 1,167
     scale = max(np.abs(p).max() for p in a)
     assert all(np.abs(p - q).max() <= 1e-5 * scale for p, q in zip(a, b))
+
+
+def _normalized_chain(depth, batch=256, width=32):
+    """Dense layers with a batch norm's arithmetic (float64): ``z = h @ w``,
+    ``h' = tanh((z - mean(z)) * rsqrt(var(z) + eps))``, whose per-channel
+    statistics are 1/256 of a feature map. Returns the weights, the loss and
+    its tensors by kind."""
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable(rng.randn(width, width) * 0.3) for _ in range(depth)]
+    h = tf.constant(rng.randn(batch, width))
+    kinds = {key: [] for key in ("z", "mean", "centered", "square", "var", "shifted",
+                                 "scale", "normed", "h")}
+    for w in ws:
+        z = tf.matmul(h, w)
+        mean = tf.reduce_mean(z, axis=0)
+        centered = z - mean
+        square = tf.square(centered)
+        var = tf.reduce_mean(square, axis=0)
+        shifted = var + 1e-3
+        scale = tf.math.rsqrt(shifted)
+        normed = centered * scale
+        h = tf.tanh(normed)
+        for key, t in (("z", z), ("mean", mean), ("centered", centered), ("square", square),
+                       ("var", var), ("shifted", shifted), ("scale", scale),
+                       ("normed", normed), ("h", h)):
+            kinds[key].append(t)
+    return ws, tf.reduce_sum(h * h), kinds
+
+
+def _gradient_calls(monkeypatch):
+    from memsave import rewrite  # pylint: disable=import-outside-toplevel
+    calls = []
+    plain_gradients = rewrite.plain_gradients
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return plain_gradients(*args, **kwargs)
+
+    monkeypatch.setattr(rewrite, "plain_gradients", counting)
+    return calls
+
+
+def _against_plain(graph, loss, ws, checkpoints):
+    with graph.as_default():
+        ours = memsave.gradients(loss, ws, checkpoints=checkpoints)
+        plain = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b = sess.run([plain, ours])
+    scale = max(np.abs(p).max() for p in a)
+    return max(np.abs(p - q).max() for p, q in zip(a, b)) / scale
+
+
+@pytest.mark.parametrize("kept, calls", [
+    # Everything kept: no segment recomputes anything, and all 72 levels
+    # below the top share one call.
+    (("z", "mean", "centered", "square", "var", "shifted", "scale", "normed", "h"), 2),
+    # Each layer's per-channel scale recomputed (a 256th of a feature map):
+    # in a shared call it reads the copy of 'variance + epsilon' below it,
+    # which then runs too (small, from small tensors), and that copy the
+    # variance's, a reduction of a feature map: there each call ends. One
+    # call per layer, the top one and the last layer's remainder.
+    (("z", "mean", "centered", "square", "var", "normed", "h"), 10),
+    # 'centered' recomputed (a feature map) where 'normed' and 'square' are
+    # differentiated: each starts a call; the mean, which the copy of
+    # 'centered' reads, starts a third per layer. With the top call and the
+    # last layer's tanh alone: 26, against 56 levels.
+    (("z", "mean", "var", "shifted", "scale", "normed", "h"), 26),
+])
+def test_segments_that_recompute_nothing_big_share_a_gradient_call(monkeypatch, kept, calls):
+    """Levels of checkpoints whose segments only differentiate kept ops (and
+    recompute at most per-channel vectors) share a tf.gradients call with
+    the level before: the same gradients for a fraction of the build time.
+    A level that recomputes a feature map only starts a call, so that its
+    recomputation waits for the gradients of the levels above, as with one
+    call per level. The audit checks each shared call against plain
+    backprop; the values match to float64's rounding."""
+    made = _gradient_calls(monkeypatch)
+    graph = tf.Graph()
+    with graph.as_default():
+        ws, loss, kinds = _normalized_chain(8)
+        checkpoints = [t for key in kept for t in kinds[key]]
+    error = _against_plain(graph, loss, ws, checkpoints)
+    assert len(made) == calls, len(made)
+    assert error <= 1e-12, error
