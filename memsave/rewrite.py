@@ -506,9 +506,12 @@ class _Rewrite:
         differentiate those with a running sum, through the others."""
         group = [ref.deref() for ref in refs]
         active = [t for t in group if self.d_cp.total(t) is not None]
+        # Under offloading or XLA nothing merges (see merge_info): a level's
+        # checkpoints are independent, and only those with a sum are read.
+        through = group if self.swapper is None and not self.barriers else ()
         if active:
             self.run_segment(active, [t.op for t in active],
-                             [self.d_cp.total(t) for t in active], through=group)
+                             [self.d_cp.total(t) for t in active], through=through)
 
     def run_segment(self, boundary, seeds, grads, through=()):
         """Copy the ops behind ``seeds`` and differentiate ``boundary``'s copy.
