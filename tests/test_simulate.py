@@ -1,10 +1,12 @@
 """The peak estimate counts buffers, not tensors: what TensorFlow frees or shares."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from memsave.planning import PlanGraph
-from memsave.planning.simulate import simulate_peak
+from memsave.planning.simulate import (fits, kept_indices, prepare, recompute_cost,
+                                       rewrite_segments, shared_recomputation, simulate_peak)
 from tests.test_optimal import _measure
 
 MB = 2**20
@@ -113,3 +115,51 @@ def test_estimate_of_kept_silu_outputs_follows_the_allocator():
     measured, plan = _measure(build, kept)
     estimate = plan.estimated_peak_bytes
     assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate / MB, measured / MB)
+
+
+def _random_dag(seed, n=48):
+    """A DAG with skips, joins, shared buffers and two ys."""
+    rng = np.random.default_rng(seed)
+    g = PlanGraph()
+    g.add_tensor("x", order=-1, bytes=0, elements=MB // 4, x=True)
+    names = ["x"]
+    for i in range(n):
+        first = names[-1] if rng.random() < 0.7 else names[int(rng.integers(len(names)))]
+        name = _tensor(g, "t%d" % i, i, first, shares=first != "x" and rng.random() < 0.15,
+                       op_type="Reshape" if rng.random() < 0.15 else "Tanh",
+                       saved=rng.random() < 0.8, size=int(MB * rng.uniform(0.25, 2)),
+                       y=i >= n - 2)
+        for _ in range(int(rng.integers(0, 3))):
+            other = names[int(rng.integers(1, len(names)))] if len(names) > 1 else "x"
+            g.add_edge(other, name)
+        if i < n - 2:
+            names.append(name)
+    return g.validate(), names[1:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_estimates_reusing_earlier_walks_equal_fresh_ones(seed):
+    """The searches ask about many kept sets on one prepared graph, which reuses
+    walks made for earlier sets and stops a simulation once the peak passes a
+    limit: every answer is the one a fresh preparation gives."""
+    g, candidates = _random_dag(seed)
+    rng = np.random.default_rng(100 + seed)
+    shared = prepare(g)
+    kept_sets = []
+    for _ in range(12):
+        base = [n for n in candidates if rng.random() < 0.4]
+        grown = base + [n for n in candidates if n not in base and rng.random() < 0.1]
+        split = int(rng.integers(len(candidates)))
+        blend = candidates[:split:2] + [n for n in base if candidates.index(n) >= split]
+        kept_sets += [base, grown, blend]
+    for kept in kept_sets:
+        fresh = prepare(g)
+        peak = simulate_peak(g, kept, fresh)
+        for limit in (peak // 2, peak - 1, peak, peak + 1):
+            assert fits(g, kept, limit, shared) == (peak <= limit)
+        assert simulate_peak(g, kept, shared) == peak
+        assert fits(g, kept, peak - 1, shared) is False
+        assert (rewrite_segments(shared, kept_indices(shared, kept))
+                == rewrite_segments(fresh, kept_indices(fresh, kept)))
+        assert shared_recomputation(g, kept, shared) == shared_recomputation(g, kept, fresh)
+        assert recompute_cost(g, kept, shared) == recompute_cost(g, kept, fresh)

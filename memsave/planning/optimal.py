@@ -23,7 +23,7 @@ from memsave.errors import BudgetError
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
-from memsave.planning.simulate import prepare, recompute_cost, simulate_peak
+from memsave.planning.simulate import fits as fits_in, prepare, recompute_cost, simulate_peak
 from memsave.planning.strategies import (MAX_RECOMPUTE_ERROR, memory, recompute_once,
                                          speed_candidates, step_work)
 
@@ -178,7 +178,7 @@ def _dropped_in_order(graph, prepared, order, cap, limit, forced):
         # Dropping every candidate keeps only what recompute_once adds back,
         # possibly nothing: plain backprop, which is no budget plan.
         kept = set(kept) | set(forced)
-        return bool(kept) and simulate_peak(graph, kept, prepared) <= limit
+        return bool(kept) and fits_in(graph, kept, limit, prepared)
 
     # The peak falls as more is dropped, then rises again towards plain
     # backprop (nothing kept): find the first fitting count on a grid, then
@@ -439,7 +439,7 @@ def _blends(graph, prepared, forced, low, fast, limit, cap):
         """Monotone in the amount of ``low`` taken (false, then true)."""
         everything = set(kept) | set(forced)
         if limit is not None:
-            return simulate_peak(graph, everything, prepared) <= limit
+            return fits_in(graph, everything, limit, prepared)
         return bool(everything) and recompute_cost(graph, kept, prepared) > cap
 
     tried = {}

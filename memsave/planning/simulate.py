@@ -146,25 +146,49 @@ def _closures(p, kept):
     once per kept set: ``(top, below)``, ``top`` the ys' segment and
     ``below[k]`` kept node ``k``'s, each ``(sorted members, kept nodes they read)``.
 
-    :func:`recompute_once` grows a kept set a few nodes per round: a walk of
-    the previous set that met none of the new nodes is the same, so it is
-    reused (the newest set walked is remembered under ``"last"``).
+    The searches simulate many kept sets that differ in a few places
+    (:func:`recompute_once` grows one a few nodes per round; a bisection
+    moves a split), so most walks are the same as one made for an earlier
+    set, and those are reused. A walk is the same where the new set keeps
+    none of its members but its boundary's own kept nodes and keeps every
+    kept node it read: it stops at the same places. The same objects come
+    back, so what is derived from a walk can be reused too (see
+    :func:`_simulate`). A few walks are remembered per boundary.
     """
     kept = frozenset(kept)
     key = ("closures", kept)
     found = p.memo.get(key)
     if found is None:
-        last_kept, last = p.memo.get("last", (None, None))
-        reusable = last_kept is not None and last_kept <= kept
-        new = kept - last_kept if reusable else kept
-        top = last[0] if reusable and new.isdisjoint(last[0][0]) else _walk(p, p.ys, kept)
-        below = {}
-        for k in (k for k in kept if p.live[k]):
-            old = last[1].get(k) if reusable else None
-            below[k] = old if old is not None and new.isdisjoint(old[0]) else _walk(p, [k], kept)
+        walks = p.memo.setdefault("walks", {})
+        at_ys = kept.intersection(p.ys)
+        top = next((walk for walk, inner, was_at_ys in walks.get(None, ())
+                    if was_at_ys == at_ys and kept.isdisjoint(inner) and walk[1] <= kept), None)
+        if top is None:
+            top = _remember(walks, None, _walk(p, p.ys, kept), p.ys, at_ys)
+        below, live = {}, p.live
+        for k in kept:
+            if live[k]:
+                for walk, inner, _ in walks.get(k, ()):
+                    if kept.isdisjoint(inner) and walk[1] <= kept:
+                        below[k] = walk
+                        break
+                else:
+                    below[k] = _remember(walks, k, _walk(p, [k], kept), [k], None)
         found = p.memo[key] = (top, below)
-        p.memo["last"] = (kept, found)
     return found
+
+
+# Walks remembered per boundary for reuse by later kept sets (see _closures).
+_WALKS_REMEMBERED = 4
+
+
+def _remember(walks, key, walk, boundary, at_boundary):
+    """Remember ``walk`` (of ``boundary``, whose kept nodes were ``at_boundary``)
+    under ``key``, newest first; return it."""
+    remembered = walks.setdefault(key, [])
+    remembered.insert(0, (walk, frozenset(walk[0]).difference(boundary), at_boundary))
+    del remembered[_WALKS_REMEMBERED:]
+    return walk
 
 
 def _walk(p, boundary, kept):
@@ -244,9 +268,11 @@ def rewrite_segments(p, kept):
 def _rewrite_segments(p, kept):
     top, below = _closures(p, kept)
     level = {}
+    depth = level.__getitem__
     for k in sorted(below):  # topological indices: a node's deps come first
         # (A kept node is no ancestor of itself: its walk never reads it.)
-        level[k] = 1 + max((level[d] for d in below[k][1]), default=-1)
+        reads = below[k][1]
+        level[k] = 1 + max(map(depth, reads)) if reads else 0
     by_level = collections.defaultdict(set)
     for k, (members, _) in below.items():
         by_level[level[k]].update(members)
@@ -305,15 +331,13 @@ def shared_recomputation(graph, kept, prepared=None):
     """
     p = prepared or prepare(graph)
     idx = kept_indices(p, kept)
-    counts = collections.Counter()
+    seen, shared = set(), set()
     for members in rewrite_segments(p, idx):
-        counts.update(members - idx)
-    shared = {n for n, c in counts.items() if c > 1}
-    succ = collections.defaultdict(set)
-    for n in shared:
-        for q in p.preds[n]:
-            succ[q].add(n)
-    latest = [n for n in shared if not succ[n]]
+        recomputed = members - idx
+        shared |= recomputed & seen
+        seen |= recomputed
+    preds = p.preds
+    latest = shared.difference(*(preds[n] for n in shared)) if shared else shared
     return [p.names[n] for n in sorted(latest, reverse=True)
             if graph.nodes[p.names[n]]["candidate"]]
 
@@ -327,16 +351,52 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     kept = kept_indices(p, kept)
     off = {p.index[n] for n in offloaded if n in p.index} & kept
     return _memo(p, ("peak", frozenset(off), bool(prefetch), bool(early_free)), kept,
-                 lambda: _simulate(p, kept, off, prefetch, early_free))
+                 lambda: _simulate(p, kept, off, prefetch, early_free)[0])
 
 
-def _simulate(p, kept, off, prefetch, early_free):
-    """:func:`simulate_peak` on kept and offloaded indices."""
+def fits(graph, kept, limit, prepared=None):
+    """Whether ``simulate_peak(graph, kept, prepared) <= limit``.
+
+    The plan searches ask this of many kept sets that are far over the
+    limit, where the peak passes it in the first segments (everything kept
+    is alive when the backward pass starts): the simulation stops there.
+    What it learnt (the exact peak, or that the peak is above a figure) is
+    remembered for later questions about the same kept set.
+    """
+    p = prepared or prepare(graph)
+    early_free = p.early if kept else {}
+    idx = frozenset(kept_indices(p, kept))
+    key = (("peak", frozenset(), False, bool(early_free)), idx)
+    exact = p.memo.get(key)
+    if exact is not None:
+        return exact <= limit
+    above = p.memo.get(("above",) + key, -1)   # the peak is known to exceed this
+    if above > limit:
+        return False
+    peak, finished = _simulate(p, idx, set(), False, early_free, stop_above=limit)
+    if finished:
+        p.memo[key] = peak
+        return peak <= limit
+    p.memo[("above",) + key] = max(above, peak)
+    return False
+
+
+def _simulate(p, kept, off, prefetch, early_free, stop_above=None):
+    """:func:`simulate_peak` on kept and offloaded indices: ``(peak, True)``; with
+    ``stop_above``, ``(a peak so far, False)`` as soon as it passes that."""
     size = p.size
     segments = _segments(p, kept)
 
+    # A walk reused for another kept set (see _closures) reads the same kept
+    # nodes there: its members' inputs are members or kept in both.
+    cache = p.memo.setdefault("reads", {})
+    reads = []
+    for boundary, members, _ in segments:
+        found = cache.get(id(members))
+        if found is None or found[0] is not members:
+            found = cache[id(members)] = (members, _kept_reads(p, kept, boundary, members))
+        reads.append(found[1])
     readers = collections.Counter()
-    reads = [_kept_reads(p, kept, boundary, members) for boundary, members, _ in segments]
     for touched in reads:
         readers.update(touched)
     # Device bytes swapped in per segment: all of them while its forward is
@@ -354,11 +414,13 @@ def _simulate(p, kept, off, prefetch, early_free):
         sim.own = {b for b in boundary if b in kept and p.reads_output[b] and readers[b] == 1
                    and b not in off}
         sim.segment(boundary, members, swap_fwd[i], swap_bwd[i], ahead[i])
+        if stop_above is not None and sim.peak > stop_above:
+            return int(sim.peak), False
         for k in reads[i]:
             readers[k] -= 1
             if readers[k] == 0 and k not in off and k not in sim.own:
                 sim.release(k)
-    return int(sim.peak)
+    return int(sim.peak), True
 
 
 def _kept_reads(p, kept, boundary, members):
@@ -428,10 +490,16 @@ class _Backward:
             set(members) - kept)
         self.saved = sum(size[o] for o in self.buffers)
         self.freed = set()
-        self.flight = {b: (self.grad_sums.pop(b, size[b]) if b in kept else size[b])
-                       for b in boundary}
-        self.in_flight = sum(self.flight.values())
-        self.sums = sum(self.grad_sums.values())
+        # A kept boundary node's running sum becomes the gradient in flight.
+        self.flight = flight = {}
+        sums = self.grad_sums
+        for b in boundary:
+            if b in kept and b in sums:
+                flight[b] = sums.pop(b)
+                self.sums -= flight[b]
+            else:
+                flight[b] = size[b]
+        self.in_flight = sum(flight.values())
         self.peak = max(self.peak, self._resident() + swap_fwd + self.held)
         self.left = left = collections.Counter()
         pieces = p.pieces
