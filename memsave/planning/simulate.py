@@ -161,25 +161,27 @@ def _closures(p, kept):
     if found is None:
         walks = p.memo.setdefault("walks", {})
         at_ys = kept.intersection(p.ys)
-        top = next((walk for walk, inner, was_at_ys in walks.get(None, ())
-                    if was_at_ys == at_ys and kept.isdisjoint(inner) and walk[1] <= kept), None)
-        if top is None:
-            top = _remember(walks, None, _walk(p, p.ys, kept), p.ys, at_ys)
-        below, live = {}, p.live
-        for k in kept:
-            if live[k]:
-                for walk, inner, _ in walks.get(k, ()):
-                    if kept.isdisjoint(inner) and walk[1] <= kept:
-                        below[k] = walk
-                        break
-                else:
-                    below[k] = _remember(walks, k, _walk(p, [k], kept), [k], None)
+        top = (_remembered(walks, None, kept, at_ys)
+               or _remember(walks, None, _walk(p, p.ys, kept), p.ys, at_ys))
+        # A kept node's own walk starts at it, kept: nothing to compare there.
+        below = {k: (_remembered(walks, k, kept, None)
+                     or _remember(walks, k, _walk(p, [k], kept), [k], None))
+                 for k in kept if p.live[k]}
         found = p.memo[key] = (top, below)
     return found
 
 
 # Walks remembered per boundary for reuse by later kept sets (see _closures).
 _WALKS_REMEMBERED = 4
+
+
+def _remembered(walks, key, kept, at_boundary):
+    """A walk remembered under ``key`` that is the same under ``kept`` (see
+    :func:`_closures`; ``at_boundary``: the boundary's kept nodes), or None."""
+    for walk, inner, was_at_boundary in walks.get(key, ()):
+        if was_at_boundary == at_boundary and kept.isdisjoint(inner) and walk[1] <= kept:
+            return walk
+    return None
 
 
 def _remember(walks, key, walk, boundary, at_boundary):
@@ -346,12 +348,22 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     """Estimated peak device bytes of the backward pass with ``kept`` checkpoints,
     of which ``offloaded`` live on the host between their uses."""
     p = prepared or prepare(graph)
+    idx, off, early_free, key = _peak_key(p, kept, offloaded, prefetch)
+    found = p.memo.get(key)
+    if found is None:
+        found = p.memo[key] = _simulate(p, idx, off, prefetch, early_free)[0]
+    return found
+
+
+def _peak_key(p, kept, offloaded=(), prefetch=False):
+    """``(kept indices, offloaded indices, early frees, memo key)`` of the
+    simulation of ``kept`` (names): :func:`simulate_peak` and :func:`fits`
+    share what they learn of a kept set."""
     # Plain backprop (nothing kept) has no reordering edges.
     early_free = p.early if kept else {}
-    kept = kept_indices(p, kept)
-    off = {p.index[n] for n in offloaded if n in p.index} & kept
-    return _memo(p, ("peak", frozenset(off), bool(prefetch), bool(early_free)), kept,
-                 lambda: _simulate(p, kept, off, prefetch, early_free)[0])
+    idx = frozenset(kept_indices(p, kept))
+    off = frozenset({p.index[n] for n in offloaded if n in p.index} & idx)
+    return idx, off, early_free, (("peak", off, bool(prefetch), bool(early_free)), idx)
 
 
 def fits(graph, kept, limit, prepared=None):
@@ -364,16 +376,14 @@ def fits(graph, kept, limit, prepared=None):
     remembered for later questions about the same kept set.
     """
     p = prepared or prepare(graph)
-    early_free = p.early if kept else {}
-    idx = frozenset(kept_indices(p, kept))
-    key = (("peak", frozenset(), False, bool(early_free)), idx)
+    idx, off, early_free, key = _peak_key(p, kept)
     exact = p.memo.get(key)
     if exact is not None:
         return exact <= limit
     above = p.memo.get(("above",) + key, -1)   # the peak is known to exceed this
     if above > limit:
         return False
-    peak, finished = _simulate(p, idx, set(), False, early_free, stop_above=limit)
+    peak, finished = _simulate(p, idx, off, False, early_free, stop_above=limit)
     if finished:
         p.memo[key] = peak
         return peak <= limit
