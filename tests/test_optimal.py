@@ -344,6 +344,44 @@ def test_a_budget_just_below_plain_drops_small_tensors_not_the_large_cheap_one()
             small_dropped * 3 * 2 ** 20 / step_work(g)), plan.summary()
 
 
+def _ragged_peaks(count=765, window=657):
+    """Peak (MiB) by candidates dropped, shaped as MobileNetV2's selective
+    order: falls to a plateau drifting down from 143 to 142.5, fits 142 MiB
+    at one count only, then rises towards plain."""
+    def peak(c):
+        if c < 600:
+            return 300.0 - (300.0 - 143.0) * c / 600
+        if c < window:
+            return 143.0 - 0.5 * (c - 600) / (window - 600)
+        return 134.5 if c == window else 145.0 + 10.0 * (c - window)
+    return peak
+
+
+def test_a_search_by_count_dropped_finds_a_narrow_window_that_fits():
+    """The counts of a dropped-in-order search that fit a limit can be one
+    count wide, between grid points (MobileNetV2 at 142 MiB: 134.5 MiB
+    recomputing 15% of a step, where the next plan found recomputed 23%):
+    the grid is laid again, finer, around its lowest point."""
+    span = sys.modules[optimal.__module__]._first_fitting_span   # the function shadows its module
+    peak = _ragged_peaks()
+    grid = {int(round(c)) for c in np.linspace(0, 765, 17)}
+    assert not any(peak(c) <= 142 for c in grid)   # what one grid of 17 sees
+    lo, hi = span(765, lambda c: peak(c) <= 142, peak, 142)
+    assert hi == 657 and lo < hi and not any(peak(c) <= 142 for c in range(lo, hi))
+    # A count on the first grid that fits: from the grid count before it, as before.
+    first = min(c for c in grid if peak(c) <= 200)
+    assert span(765, lambda c: peak(c) <= 200, peak, 200) == (
+        max(c for c in grid if c < first) + 1, first)
+    # Nothing near the limit: no finer grid (17 peaks asked for, not more).
+    asked = []
+
+    def counted(c):
+        asked.append(c)
+        return peak(c)
+    assert span(765, lambda c: peak(c) <= 120, counted, 120) is None
+    assert len(set(asked)) == 17
+
+
 def test_a_budget_between_candidate_plans_is_spent_on_less_recomputation(monkeypatch):
     """The candidates of a transformer lie far apart (GPT2 at 128 tokens: 62
     and 79 MiB, recomputing 10% and 6.3% of a training step); blends of the
