@@ -20,7 +20,9 @@ is traced per configuration:
   plain function gives the plain-vs-plain
   row (the noise floor);
 * gradients: whether memsave's rewrite ran, or memsave fell back to plain
-  gradients (its log says so when a plan is not estimated below plain's).
+  gradients (its log says so when a plan is not estimated below plain's);
+* budget rows: the loop's measured calls, replans, and its log lines
+  (``loop_said``: each plan's estimate and measured peak) in the JSON.
 
 Sizes are chosen so that activations outweigh weights (``SIZES``). Writes
 ``benchmarks/results/zoo.{json,md}`` and ``zoo.png`` (peak against time per
@@ -204,7 +206,9 @@ def child(name, quick, pairs, only=None):
             # before it settles: on a full device, one over the budget fails.
             row.update(budget_mib=budget / MIB, replans=step.loop.replans,
                        calls_mib=[p / MIB for p in step.loop.peaks],
-                       replan_build_s=sum(max(0.0, t - once) for t in retraced))
+                       replan_build_s=sum(max(0.0, t - once) for t in retraced),
+                       loop_said=[l for l in said.lines if l.startswith("memsave: ")
+                                  and "budget" in l])
         rows.append(row)
     plain = steps["plain"]
     for row in rows:
