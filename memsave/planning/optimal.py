@@ -177,18 +177,15 @@ def _dropped_in_order(graph, prepared, order, cap, limit, forced):
                 hi = mid - 1
         return [kept_after(c) for c in sorted({lo, lo * 7 // 8, lo * 3 // 4, lo // 2}) if c]
 
-    def fits(kept):
+    def fits(kept, bound=limit):
         # Dropping every candidate keeps only what recompute_once adds back,
         # possibly nothing: plain backprop, which is no budget plan.
         kept = set(kept) | set(forced)
-        return bool(kept) and fits_in(graph, kept, limit, prepared)
+        return bool(kept) and fits_in(graph, kept, bound, prepared)
 
-    def peak(kept):
-        kept = set(kept) | set(forced)
-        return simulate_peak(graph, kept, prepared) if kept else float("inf")
-
-    span = _first_fitting_span(len(order), lambda c: fits(kept_after(c)),
-                               lambda c: peak(kept_after(c)), limit)
+    span = _first_fitting_span(
+        len(order), lambda c, bound: fits(kept_after(c), bound),
+        lambda c: simulate_peak(graph, set(kept_after(c)) | set(forced), prepared), limit)
     if span is None:
         return []
     lo, hi = span
@@ -206,8 +203,9 @@ def _dropped_in_order(graph, prepared, order, cap, limit, forced):
 
 def _first_fitting_span(count, fits, peak, limit, points=17):
     """``(lo, hi)``: counts dropped (of ``count``) between which the fewest that
-    ``fits`` lies, ``fits(hi)`` true and every grid count before ``hi`` not;
-    or None.
+    fits ``limit`` lies, ``fits(hi, limit)`` true and every grid count before
+    ``hi`` not; or None. ``fits(count, bound)``: whether that count's peak is
+    at most ``bound``; ``peak(count)``: the peak itself.
 
     The peak falls as more is dropped, then rises again towards plain
     backprop (nothing kept), and it is ragged near its bottom, so the
@@ -222,14 +220,16 @@ def _first_fitting_span(count, fits, peak, limit, points=17):
     lo, hi = 0, count
     while True:
         grid = sorted({int(round(c)) for c in np.linspace(lo, hi, points)})
-        first = next((i for i, c in enumerate(grid) if fits(c)), None)
+        first = next((i for i, c in enumerate(grid) if fits(c, limit)), None)
         if first is not None:
             return (grid[first - 1] + 1 if first else grid[0]), grid[first]
         if len(grid) == hi - lo + 1:
             return None
-        best = min(range(len(grid)), key=lambda i: (peak(grid[i]), -i))
-        if peak(grid[best]) > _NEAR * limit:
+        # The lowest is among the near ones, if any: only those are simulated whole.
+        near = [i for i, c in enumerate(grid) if fits(c, _NEAR * limit)]
+        if not near:
             return None
+        best = min(near, key=lambda i: (peak(grid[i]), -i))
         lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
 
 
