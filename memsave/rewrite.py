@@ -254,8 +254,9 @@ class _Swapper:
     compute. A swap-in is shared by segments at most ``groupby`` ops apart.
     """
 
-    def __init__(self, graph, config, scope):
+    def __init__(self, graph, config, scope, foreign):
         self.graph, self.config, self.scope = graph, config, scope
+        self.foreign = foreign      # ops of other replicas' rewrites (see _Rewrite._own)
         self.swap_ops = set()
         self.backward = []          # ops the rewrite made, in creation order
         self._seen = len(graph.get_operations())
@@ -276,7 +277,8 @@ class _Swapper:
 
     def _sync(self):
         ops = self.graph.get_operations()
-        self.backward.extend(op for op in ops[self._seen:] if op not in self.swap_ops)
+        self.backward.extend(op for op in ops[self._seen:]
+                             if op not in self.swap_ops and op not in self.foreign)
         self._seen = len(ops)
 
     def swap_in(self, reads, wait_for):
@@ -408,7 +410,7 @@ class _Rewrite:
         self.d_cp, self.d_xs = _Accumulator(), _Accumulator()
         self.segment = 0
         self.wait = []
-        self.swapper = (_Swapper(region.graph, swap, "memsave_offload")
+        self.swapper = (_Swapper(region.graph, swap, "memsave_offload", ledger.foreign)
                         if swap and swap.tensors else None)
         # Checkpoints whose segments never merge (see merge_info).
         self.special = ({t.ref() for t in list(region.xs) + list(region.ys)}
@@ -600,12 +602,32 @@ class _Rewrite:
                                     skip=self._not_ancestors(existing, boundary_copies),
                                     **self.grad_kwargs)
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
-        made_now = graph.get_operations()[before:]
+        made_now = self._own(graph.get_operations()[before:], grads_out)
         _read_copies(made_now, copies.of)
         _read_kept(made_now, copies, own_values)
         _gradients_wait(made_now, copies, self.wait, "memsave_%d" % (self.segment - 1))
         reducers_first(made_now)
         return grads_out
+
+    def _own(self, made, grads_out):
+        """The ops of ``made`` (the graph's ops created during this segment's
+        ``tf.gradients`` call, in creation order) that its results depend on;
+        the rest are recorded in the ledger as not this rewrite's.
+
+        Under a MirroredStrategy the replicas trace in turns, each in its own
+        thread: a cross-replica call in a gradient (a synchronized batch
+        norm's all-reduce) hands over to the other replicas, which build
+        their own copies and gradients before this call returns. Making those
+        ops wait for this replica's sums, or read its copies, tied the
+        replicas' segments into a cycle. The collective ops the strategy
+        builds for this replica are among the results' inputs, so they stay
+        this call's. An op of this call that no result depends on does not
+        run and needs no order.
+        """
+        outs = [t.op for g in grads_out if g is not None for t in _parts(g)]
+        ours = backward_ops(outs, within=set(made), control=True)
+        self.ledger.foreign.update(op for op in made if op not in ours)
+        return [op for op in made if op in ours]
 
     def _not_ancestors(self, existing, ys):
         """``(graph, first id, end id)`` of ops that cannot be ancestors of this
@@ -814,6 +836,14 @@ def _x_reads(region, leaf_xs):
                 if out.ref() not in xs:
                     found[out.ref()] = roots[op.inputs[0].ref()]
     return found
+
+
+def _parts(grad):
+    """The tensors of a gradient: itself, or an IndexedSlices' components."""
+    if isinstance(grad, tf.IndexedSlices):
+        return [t for t in (grad.values, grad.indices, grad.dense_shape)
+                if isinstance(t, tf.Tensor)]
+    return [grad]
 
 
 def _dense_part(grad):

@@ -95,6 +95,10 @@ class Ledger:
         self.seeds = {}                         # seed tensor ref -> y name
         self.zeros = set()                      # refs of zeros given to unconnected xs
         self.spans = []                         # first op id of each segment
+        # Ops made during a gradient call that none of its results depend on:
+        # another replica's, whose thread built them while this one waited in
+        # a cross-replica call (see memsave.rewrite._Rewrite._own).
+        self.foreign = set()
         self.problems = []
 
     def segment(self):
@@ -616,7 +620,7 @@ def _unfenced_reads(ledger):
         return []
     out = []
     ops = [op for op in ledger.graph.get_operations()
-           if tf_internal.op_id(op) >= spans[0]]
+           if tf_internal.op_id(op) >= spans[0] and op not in ledger.foreign]
 
     def span(op):
         i = tf_internal.op_id(op)
