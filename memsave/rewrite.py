@@ -256,7 +256,7 @@ class _Swapper:
 
     def __init__(self, graph, config, scope, foreign):
         self.graph, self.config, self.scope = graph, config, scope
-        self.foreign = foreign      # ops of other replicas' rewrites (see _Rewrite._own)
+        self.foreign = foreign      # ops made in gradient calls but not theirs (see _Rewrite._own)
         self.swap_ops = set()
         self.backward = []          # ops the rewrite made, in creation order
         self._seen = len(graph.get_operations())

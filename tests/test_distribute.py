@@ -389,7 +389,8 @@ def gradients(dtype, make_tape):
         for _ in range(4):
             h = keras.layers.Conv2D(8, 3, padding="same")(h)
             h = keras.layers.ReLU()(keras.layers.BatchNormalization(synchronized=True)(h))
-        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h)))
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        model = keras.Model(inputs, keras.layers.Dense(2)(h))
     x = np.random.RandomState(0).randn(8, 8, 8, 3).astype(dtype)
     shards = strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.constant(x[4 * ctx.replica_id_in_sync_group:][:4]))

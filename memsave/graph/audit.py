@@ -97,7 +97,8 @@ class Ledger:
         self.spans = []                         # first op id of each segment
         # Ops made during a gradient call that none of its results depend on:
         # another replica's, whose thread built them while this one waited in
-        # a cross-replica call (see memsave.rewrite._Rewrite._own).
+        # a cross-replica call, or the call's own that never run (see
+        # memsave.rewrite._Rewrite._own).
         self.foreign = set()
         self.problems = []
 
