@@ -32,7 +32,7 @@ from memsave.graph import backward_ops, copy_ops, functions, optable
 from memsave.graph.edit import barrier, fence, joined_waits
 from memsave.graph.region import differentiable, in_place_closure, num_elements
 from memsave.graph.schedule import reducers_first
-from memsave.graph.walk import forward_ops
+from memsave.graph.walk import components, forward_ops
 
 logger = logging.getLogger("memsave")
 
@@ -624,7 +624,7 @@ class _Rewrite:
         this call's. An op of this call that no result depends on does not
         run and needs no order.
         """
-        outs = [t.op for g in grads_out if g is not None for t in _parts(g)]
+        outs = [t.op for t in components(g for g in grads_out if g is not None)]
         ours = backward_ops(outs, within=set(made), control=True)
         self.ledger.foreign.update(op for op in made if op not in ours)
         return [op for op in made if op in ours]
@@ -836,14 +836,6 @@ def _x_reads(region, leaf_xs):
                 if out.ref() not in xs:
                     found[out.ref()] = roots[op.inputs[0].ref()]
     return found
-
-
-def _parts(grad):
-    """The tensors of a gradient: itself, or an IndexedSlices' components."""
-    if isinstance(grad, tf.IndexedSlices):
-        return [t for t in (grad.values, grad.indices, grad.dense_shape)
-                if isinstance(t, tf.Tensor)]
-    return [grad]
 
 
 def _dense_part(grad):

@@ -55,7 +55,7 @@ import tensorflow as tf
 from memsave import tf_internal
 from memsave.errors import GradientMismatchError
 from memsave.graph import functions, stateful
-from memsave.graph.walk import carries_gradient
+from memsave.graph.walk import carries_gradient, components
 
 # Sum ops the rewrite builds between segments (see memsave.rewrite.aggregate):
 # an x's result or a checkpoint's seed is followed through them to the
@@ -121,7 +121,7 @@ class Ledger:
         swap-outs and swap-ins, fences, XLA barriers). Checked, not trusted:
         each must pass its inputs through unchanged (output i is input i), and
         a fence must be an Identity that Grappler keeps."""
-        for t in _components(tensors):
+        for t in components(tensors):
             if t.op.type not in _PASS_THROUGH or (fence and t.op.type != "Identity"):
                 self.problems.append("%s stands between a tensor and its readers but is a "
                                      "%s, not an Identity" % (t.op.name, t.op.type))
@@ -172,15 +172,6 @@ _PASS_THROUGH = frozenset({"Identity", "XlaOptimizationBarrier"})
 def _passed_through(t):
     """The input an inserted pass-through op forwards as ``t``."""
     return t.op.inputs[t.value_index]
-
-
-def _components(tensors):
-    for t in tensors:
-        if isinstance(t, tf.IndexedSlices):
-            yield from (c for c in (t.values, t.indices, t.dense_shape)
-                        if isinstance(c, tf.Tensor))
-        else:
-            yield t
 
 
 def _kept_by_grappler(op):

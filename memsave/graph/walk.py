@@ -28,6 +28,17 @@ def refs(tensors):
     return {t.ref() for t in tensors}
 
 
+def components(tensors):
+    """The graph tensors of ``tensors``: each tensor, and each IndexedSlices'
+    values, indices and (where it is a tensor) dense shape."""
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            yield from (c for c in (t.values, t.indices, t.dense_shape)
+                        if isinstance(c, tf.Tensor))
+        else:
+            yield t
+
+
 def _stop_refs(stop_at):
     """A walk's ``stop_at``: tensors, or already a set or dict of their refs."""
     return stop_at if isinstance(stop_at, (set, frozenset, dict)) else refs(stop_at)
