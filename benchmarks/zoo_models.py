@@ -13,6 +13,9 @@ import numpy as np
 APPLICATIONS = ("ResNet50", "DenseNet121", "MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
 MODELS = APPLICATIONS + ("GPT2", "BERT", "LSTM", "LSTMStateful")
 STATEFUL_BATCH = 2   # a stateful RNN is built for one batch size
+# Applications the conformance suite also builds (not in the zoo), with the
+# options that make a step deterministic.
+MORE_APPLICATIONS = {"MobileNetV3Small": {"dropout_rate": 0.0}}
 
 
 @contextlib.contextmanager
@@ -37,9 +40,10 @@ def build(name, batch, dtype="float64", size=32):
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
     with dtype_scope(dtype):
-        if name in APPLICATIONS:
+        if name in APPLICATIONS or name in MORE_APPLICATIONS:
             model = getattr(keras.applications, name)(
-                weights=None, input_shape=(size, size, 3), classes=10)
+                weights=None, input_shape=(size, size, 3), classes=10,
+                **MORE_APPLICATIONS.get(name, {}))
             x = rng.rand(batch, size, size, 3).astype(dtype)
             y = rng.randint(0, 10, batch)
             return model, x, y, keras.losses.SparseCategoricalCrossentropy()

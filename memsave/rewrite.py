@@ -426,7 +426,8 @@ class _Rewrite:
         """Seed the ys and run the first segment, from the ys that are not
         checkpoints down to the checkpoints."""
         ys = self.region.ys
-        self.wait = list(ys) + [_dense_part(g) for g in (grad_ys or []) if g is not None]
+        self.wait = _first_waits(ys, grad_ys)
+        self.ledger.inserted(self.wait, fence=True)
         # A y that is a checkpoint (e.g. also an x) starts with its grad_ys; the
         # first segment runs from the other ys down to the checkpoints.
         top, top_grads = [], []
@@ -676,6 +677,17 @@ class _Rewrite:
                 self.ledger.unconnected(g)
             results.append(g)
         return results
+
+
+def _first_waits(ys, grad_ys):
+    """What the first segment waits for: the ys and their given gradients,
+    through fences. A wait on a y itself lets Grappler, in a step that does
+    not use the y's value (a training step returns the gradients, not the
+    loss), prune the forward ops behind it and hand the wait down to their
+    inputs, kept tensors among them; a fusion of a kept tensor's op with a
+    copy that reads it (oneDNN's convolution + bias add) then closes a cycle."""
+    return [fence(y) for y in ys] + [fence(_dense_part(g)) for g in (grad_ys or [])
+                                     if g is not None]
 
 
 def _segment_stops(read_cp, user_stops, copies, barred):

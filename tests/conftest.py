@@ -87,7 +87,7 @@ SLOW_CASES = (
     ("test_tape_in_tf_function", "EfficientNetB0"),                    # 87 s
     ("test_tape_in_tf_function", "ResNet50"),                          # 63 s
     ("test_tape_in_tf_function", "ConvNeXtTiny"),                      # 59 s
-    ("test_tape_in_float32_where_onednn_fuses", "DenseNet121"),        # 86 s (x2)
+    ("test_tape_in_float32_where_onednn_fuses", "DenseNet121"),        # 35 s (x2)
     # test_fit_in_budget_example_trains_where_plain_runs_out_of_memory
     # (test_benchmarks.py) runs one model under a hard allocator limit.
     ("test_two_models_train_under_a_hard_limit_where_plain_runs_out_of_memory", ""),  # 190 s

@@ -152,6 +152,7 @@ def _walk(spec):
             new_var = var("w", op[3])
         elif kind == "conv":
             new_var = var("k", op[2])
+            inter = [h + ".conv"]     # the convolution's output, before its bias
         elif kind == "bias":
             new_var = var("b", op[2])
         elif kind == "embed":
@@ -447,7 +448,7 @@ def build(tf, spec, variables):
             elif kind == "conv":
                 k = variables[new_var[0]]
                 image = tf.reshape(at(op[1]), [B, W // 2, 2, 1])
-                conv = tf.nn.conv2d(image, k, 1, "SAME")
+                conv = rec(inter[0], tf.nn.conv2d(image, k, 1, "SAME"))
                 out = tf.reshape(tf.nn.relu(tf.nn.bias_add(conv, tf.reshape(k[0, 0, 0], [1]))),
                                  [B, W])
             else:

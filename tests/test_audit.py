@@ -7,6 +7,8 @@ result is silently wrong (or the graph cannot run), and that with the audit
 op. The audit itself is in :mod:`memsave.graph.audit`.
 """
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,8 +16,8 @@ import tensorflow as tf
 import memsave
 from memsave import api, rewrite, tape as tape_module
 from memsave.graph import edit, functions, region
-from tests.test_known_classes import (CONV_BIAS, KEPT_CALLS, KEPT_LOOPS,
-                                      POW_READS_OFFLOADED, _in_function, _in_session)
+from tests.test_known_classes import (CONV_BIAS, KEPT_CALLS, KEPT_CONV, KEPT_LOOPS,
+                                      POW_READS_OFFLOADED, _in_function, _in_session, alone)
 
 
 def _without_audit(monkeypatch):
@@ -77,6 +79,19 @@ def test_segments_without_fences(monkeypatch):
     does on float32 convolutions); the audit sees it in any dtype."""
     monkeypatch.setattr(rewrite, "fence", lambda grad: grad)
     _caught(lambda: _in_session(CONV_BIAS, "list", None), "without a fence")
+
+
+def test_first_segment_waiting_for_the_ys_themselves(monkeypatch):
+    """Found on MobileNetV3Small: in a step returning only the gradients,
+    Grappler handed the first segment's wait on the loss down to a kept
+    convolution, which oneDNN fused with the copy of its bias add: a cycle.
+    The audit sees the unfenced wait in any dtype, with oneDNN on or off."""
+    monkeypatch.setattr(rewrite, "_first_waits", lambda ys, grad_ys: list(ys))
+    _caught(lambda: alone(KEPT_CONV, "list", None, "function"),
+            "waits for .*, an op of the graph it rewrites")
+    if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "1":
+        _without_audit(monkeypatch)
+        assert _wrong_or_fails(lambda: alone(KEPT_CONV, "list", None, "function"))
 
 
 def test_kept_op_reading_a_call_output(monkeypatch):

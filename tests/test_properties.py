@@ -343,6 +343,11 @@ def run_session_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=T
             sess.run(init)
         # One run: the writes (after the ys) happen in it, as in a training step.
         values = sess.run(fetch)
+        alone = {}
+        for label in ours:
+            sess.run(init)     # undoes the writes
+            alone[label] = sess.run(fetch[label])
+    _check_alone(spec, values["plain"], alone)
     # Forward values are unchanged by the rewrite (dropout draws a new mask per run).
     if not graphgen.is_random(spec):
         for i, (a, b) in enumerate(zip(forward_before, values["forward"])):
@@ -358,21 +363,27 @@ def run_function_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=
     variables = graphgen.make_variables(tf, spec)
     out = {}
 
-    @tf.function(jit_compile=jit_compile)
-    def step():
-        built = graphgen.build(tf, spec, variables)
-        results, grads_of = {}, {}
-        for label, strategy, options in configs:
+    initial = [v.numpy() for v in variables.values()]
+
+    def ours(built, chosen, counts):
+        grads_of = {}
+        for label, strategy, options in chosen:
             if strategy == "collection":
                 graph = tf.compat.v1.get_default_graph()
                 graph.clear_collection("checkpoints")
                 for t in built["checkpoints"]:
                     graph.add_to_collection("checkpoints", t)
-            grads = _try(label, strategy, options, built, stats, oracle)
-            if grads is None:
-                continue
-            grads_of[label] = grads
-            results[label] = [_dense(g) for g in grads if g is not None]
+            grads = _try(label, strategy, options, built, counts, oracle)
+            if grads is not None:
+                grads_of[label] = grads
+        return grads_of
+
+    @tf.function(jit_compile=jit_compile)
+    def step():
+        built = graphgen.build(tf, spec, variables)
+        grads_of = ours(built, configs, stats)
+        results = {label: [_dense(g) for g in grads if g is not None]
+                   for label, grads in grads_of.items()}
         plain = tf.gradients(built["ys"], built["xs"], built["grad_ys"])
         for label, grads in grads_of.items():
             check_pattern(plain, grads, label)
@@ -381,10 +392,40 @@ def run_function_example(spec, stats, configs=CONFIGS[:len(STRATEGIES)], oracle=
         _count_kinds(spec, built, stats)
         return results
 
+    def alone(config):
+        @tf.function(jit_compile=jit_compile)
+        def step_alone():
+            grads = ours(graphgen.build(tf, spec, variables), [config], collections.Counter())
+            return [_dense(g) for g in grads[config[0]] if g is not None]
+        for v, value in zip(variables.values(), initial):
+            v.assign(value)    # undoes the writes
+        return [t.numpy() for t in step_alone()]
+
     values = step()
     for label in out["labels"]:
         for i, (a, b) in enumerate(zip(values["plain"], values[label])):
             assert_close(a.numpy(), b.numpy(), "%s: gradient %d" % (label, i))
+    _check_alone(spec, [t.numpy() for t in values["plain"]],
+                 {c[0]: alone(c) for c in configs if c[0] in out["labels"]})
+
+
+def _check_alone(spec, plain, alone):
+    """memsave's gradients from steps that return nothing else (one per
+    configuration) equal plain's.
+
+    The step above also returns plain's gradients and the other
+    configurations' (and, in a Session, the forward tensors), which keep
+    the whole forward pass alive. A training step returns only the
+    gradients it applies: Grappler then prunes what nothing reads (the
+    forward tail behind a loss), and what it hands on (a wait, down to a
+    kept convolution that oneDNN then fused with the copy reading it) can
+    close a cycle that the shared step hid.
+    """
+    for label, grads in alone.items():
+        if graphgen.is_random(spec):
+            continue        # dropout drew new masks: it ran, which is the point
+        for i, (a, b) in enumerate(zip(plain, grads)):
+            assert_close(a, b, "%s alone: gradient %d" % (label, i))
 
 
 def _minority(stats, limit=0.5):

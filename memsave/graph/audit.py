@@ -41,12 +41,19 @@ What must hold:
   earlier segment built only through a fence (see
   :func:`memsave.graph.edit.fence`) or another identity memsave inserted
   (a swap-in shared by nearby segments), else a fusion could close a cycle.
+* **Waits are fenced**: an op memsave built itself (a copy, a join, a gate,
+  a swap-in) waits (control input) for an op of the graph as it was only
+  where its original does. A wait on a
+  forward op itself (a y) is one Grappler may hand down to that op's
+  inputs when the step does not use its value, and a fusion of such an
+  input (a kept convolution) with a copy that reads it is then a cycle.
 
 A violation raises :class:`memsave.errors.GradientMismatchError` naming
 the edge or op. The audit adds no op to the graph: it costs build time
 only.
 """
 
+import bisect
 import collections
 import heapq
 
@@ -79,6 +86,7 @@ class _Call:
     def __init__(self, index, ys, grad_ys, xs, stops, outputs, start):
         self.index, self.ys, self.grad_ys, self.xs = index, ys, grad_ys, xs
         self.stops, self.outputs, self.start = stops, outputs, start
+        self.end = None     # the first op id after the call's ops
         self.sending = set()
 
 
@@ -148,6 +156,7 @@ class Ledger:
         have ids from ``start`` on, which returned ``outputs``."""
         self.calls.append(_Call(len(self.spans) - 1, list(ys), grad_ys, list(xs), list(stops),
                                 list(outputs), start))
+        self.calls[-1].end = next_op_id(self.graph)
 
     # -- mapping what a call saw back to the original graph
 
@@ -295,6 +304,7 @@ def check(ledger, region, results, user_stops):
     problems.extend(_paths_counted_once(plain, region, results, ledger, accounts, outputs))
     problems.extend(_recomputed_values_may_differ(ledger, region))
     problems.extend(_unfenced_reads(ledger))
+    problems.extend(_unfenced_waits(ledger))
     if problems:
         unique = list(dict.fromkeys(problems))
         raise GradientMismatchError(
@@ -634,4 +644,34 @@ def _unfenced_reads(ledger):
             if 0 <= theirs < mine and t.op not in ledger.through:
                 out.append("%s (segment %d) reads %s of segment %d without a fence"
                            % (op.name, mine, t.name, theirs))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Waits are fenced.
+
+def _unfenced_waits(ledger):
+    """The ops memsave made itself (copies, joins, gates, swap-ins; not the
+    ops of ``tf.gradients`` calls, whose control inputs TensorFlow sets)
+    that wait for an op of the graph as it was, where their original does not."""
+    calls = sorted((call.start, call.end) for call in ledger.calls)
+    starts = [start for start, _ in calls]
+
+    def in_a_call(i):
+        k = bisect.bisect_right(starts, i) - 1
+        return k >= 0 and i < calls[k][1]
+
+    out = []
+    for op in ledger.graph.get_operations()[::-1]:
+        i = tf_internal.op_id(op)
+        if i < ledger.first_new:
+            break
+        if in_a_call(i):
+            continue
+        original = ledger.copy_of.get(op)
+        inherited = set(original.control_inputs) if original is not None else set()
+        for c in op.control_inputs:
+            if tf_internal.op_id(c) < ledger.first_new and c not in inherited:
+                out.append("%s waits for %s, an op of the graph it rewrites, not for a fence"
+                           % (op.name, c.name))
     return out
