@@ -44,11 +44,13 @@ SMALL_PART = 256
 MERGED_PART = 16
 
 
-def plain_gradients(ys, xs, grad_ys=None, skip=None, **kwargs):
+def plain_gradients(ys, xs, grad_ys=None, skip=None, prunable=None, **kwargs):
     """TensorFlow's own gradients, called below every patch point (``skip``:
-    ops no ancestor of ``ys`` is among, see :func:`tf_internal.fast_reachability`)."""
+    ops no ancestor of ``ys`` is among; ``prunable``: the caller's own ops,
+    whose unneeded input gradients are left out; see
+    :func:`tf_internal.fast_reachability`)."""
     graph = ys[0].graph
-    with tf_internal.mutation_lock(graph), tf_internal.fast_reachability(skip):
+    with tf_internal.mutation_lock(graph), tf_internal.fast_reachability(skip, prunable):
         return tf_internal.gradients_helper(ys, xs, grad_ys, **kwargs)
 
 
@@ -601,6 +603,7 @@ class _Rewrite:
         grads_out = plain_gradients(boundary_copies, targets, grad_ys=grads, name=self.name,
                                     stop_gradients=stops,
                                     skip=self._not_ancestors(existing, boundary_copies),
+                                    prunable=copies.of.values(),
                                     **self.grad_kwargs)
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
         made_now = self._own(graph.get_operations()[before:], grads_out)

@@ -327,3 +327,50 @@ def test_fast_reachability_leaves_out_the_skipped_ops_once():
     assert tanh[1] not in skipped and tanh[0] in skipped
     assert tanh[1] in again   # the skip is for the next walk only
     assert tf_internal.gradients_util_module._MarkReachedOps is tf_internal.mark_reached_ops  # pylint: disable=protected-access
+
+
+def _pruning_graph():
+    """x [3, 4] minus a broadcast constant, and x's squared difference from its
+    stopped mean (as a batch norm's variance): neither second input needs a gradient."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [3, 4])
+        shifted = x - tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64)
+        spread = tf.math.squared_difference(x, tf.stop_gradient(tf.reduce_mean(x, axis=0)))
+        y = tf.reduce_sum(tf.square(shifted) * spread)
+    return graph, x, y, [shifted.op, spread.op]
+
+
+def test_prunable_ops_skip_the_inputs_no_gradient_goes_on_from_during_the_walk_only():
+    _, x, _, (sub, sqd) = _pruning_graph()
+    walk = tf_internal.gradients_util_module
+    with pytest.raises(RuntimeError):
+        with tf_internal.fast_reachability(prunable=[sub, sqd]):
+            walk._MarkReachedOps([x.op], set(), [])  # pylint: disable=protected-access
+            assert sub.skip_input_indices == (1,)    # a constant: not reached
+            assert sqd.skip_input_indices == (1,)    # reached, but a StopGradient
+            raise RuntimeError("the call failed")
+    assert not hasattr(sub, "skip_input_indices") and not hasattr(sqd, "skip_input_indices")
+    with tf_internal.fast_reachability(prunable=[sub]):
+        walk._MarkReachedOps([x.op], set(), [])  # pylint: disable=protected-access
+        walk._MarkReachedOps([x.op], set(), [])  # pylint: disable=protected-access
+        assert sub.skip_input_indices == (1,)    # set by the first walk, kept for its call
+    assert not hasattr(sub, "skip_input_indices")
+
+
+def test_gradients_with_prunable_ops_build_fewer_ops_and_give_tf_values():
+    from memsave.rewrite import plain_gradients  # pylint: disable=import-outside-toplevel
+    graph, x, y, prunable = _pruning_graph()
+    made = []
+    with graph.as_default():
+        for ops in (None, prunable):
+            before = len(graph.get_operations())
+            made.append(plain_gradients([y], [x], prunable=ops)[0])
+            made.append(len(graph.get_operations()) - before)
+    (plain, plain_ops), (pruned, pruned_ops) = made[:2], made[2:]
+    assert pruned_ops < plain_ops
+    assert not any(hasattr(op, "skip_input_indices") for op in prunable)
+    with tf.compat.v1.Session(graph=graph) as session:
+        a, b = session.run([plain, pruned], {x: [[0.5, -1.0, 2.0, 0.25], [1.5, 0.0, -2.0, 3.0],
+                                                 [1.0, 1.0, -0.5, 2.5]]})
+    assert (a == b).all() and abs(a).max() > 0
