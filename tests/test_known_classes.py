@@ -15,6 +15,13 @@ offloading, against plain ``tf.gradients`` on the same graph:
   behind the loss and handed the wait down to its inputs, a kept
   convolution among them; oneDNN then fused that convolution with the copy
   of its bias add, which waited for it: "N nodes in a cycle".
+- *half-precision bias sums* (found by a helper trying to break memsave):
+  a plan kept a bfloat16 convolution's output apart from its bias add.
+  With oneDNN, plain backprop fuses the bias gradient into the
+  convolution's filter gradient and sums it in float32; split across two
+  segments, the bias gradient ran alone in TF's CPU kernel, which sums in
+  bfloat16: 40-80% off plain's. Strategies now keep the bias add's output
+  instead.
 - *kept loops*: a loop that must not be recomputed (a stateful body, or a
   variable the step writes later) is differentiated in place; the gradient
   through its TensorList (``variant``) input was never asked for.
@@ -198,6 +205,47 @@ def alone(case, strategy, offload, mode):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_step_returning_only_gradients_runs(strategy, offload, mode):
     assert alone(KEPT_CONV, strategy, offload, mode) <= 1e-5
+
+
+# ---------------------------------------------------------------- half-precision bias sums
+
+def _conv_bias_bfloat16(ws):
+    """Three bfloat16 convolution + bias add + relu layers (float32 weights
+    cast, as under mixed_bfloat16): each bias gradient sums 2,048 values."""
+    x = tf.constant(np.random.RandomState(5).randn(2, 32, 32, 4), tf.bfloat16)
+    h = x
+    for kernel, bias in zip(ws[::2], ws[1::2]):
+        c = tf.nn.conv2d(h, tf.cast(kernel, tf.bfloat16), 1, "SAME")
+        h = tf.nn.relu(tf.nn.bias_add(c, tf.cast(bias, tf.bfloat16)))
+    return tf.reduce_sum(tf.square(tf.cast(h, tf.float32))), ws, []
+
+
+BFLOAT16_BIAS = _Case(_weights(6, *[(3, 3, 4, 4), (4,)] * 3, dtype=np.float32),
+                      _conv_bias_bfloat16)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("offload", OFFLOAD)
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_half_precision_bias_gradients_are_summed_as_plain_sums_them(strategy, offload, mode):
+    # bfloat16 keeps 8 bits: its rounding is 4e-3; a bias sum in bfloat16 was 0.4-0.8 off.
+    assert RUNNERS[mode](BFLOAT16_BIAS, strategy, offload) <= 1e-2
+
+
+def test_a_half_precision_matmul_output_with_a_bias_is_kept_as_the_biased_sum():
+    from memsave.graph.region import analyze, to_plan_graph  # pylint: disable=C0415
+    for dtype, apart in ((tf.bfloat16, False), (tf.float32, True)):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.ones([4, 8], dtype)
+            w = tf.compat.v1.placeholder(dtype, [8, 8])
+            b = tf.compat.v1.placeholder(dtype, [1, 8])
+            product = tf.matmul(x, w)
+            total = product + b           # as Keras adds a bias: a broadcast add
+            loss = tf.reduce_sum(tf.cast(tf.tanh(total), tf.float32))
+            plan_graph = to_plan_graph(analyze([loss], [w, b]))
+        assert plan_graph.nodes[product.name]["candidate"] is apart
+        assert plan_graph.nodes[total.name]["expensive"] is not apart
 
 
 # ---------------------------------------------------------------- kept loops

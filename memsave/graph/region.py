@@ -359,6 +359,55 @@ def fused_under_xla(region):
     return out
 
 
+# Sums in these dtypes lose most of their digits unless accumulated wider.
+_HALF_PRECISION = frozenset({tf.bfloat16, tf.float16})
+
+
+def biased_in_half_precision(region):
+    """``(names, sums)``: the half-precision outputs of matmuls and
+    convolutions that only bias adds read (``BiasAdd``, or an add of a
+    per-channel vector, as Keras adds its biases), and those bias adds'
+    outputs.
+
+    A plan must not keep such an output apart from its bias add: TF's
+    remappers fuse the two, and with oneDNN the fused backward sums the
+    bias gradient in float32. Split into two segments, the bias gradient
+    runs alone, and TF's CPU kernel sums it in bfloat16: a Keras CNN under
+    mixed_bfloat16 got bias gradients 40-80% off plain's. The bias add's
+    output stands in for the matmul's (the same bytes; its recomputation
+    adds one elementwise op).
+    """
+    names, sums = set(), set()
+    for op in region.order:
+        if op.type not in optable.EXPENSIVE:
+            continue
+        for t in op.outputs:
+            if t.dtype.base_dtype not in _HALF_PRECISION:
+                continue
+            readers = [c for c in t.consumers() if c in region.ops]
+            if readers and all(_adds_a_bias(c, t) for c in readers):
+                names.add(t.name)
+                sums.update(c.outputs[0].name for c in readers)
+    return names, sums
+
+
+def _adds_a_bias(op, t):
+    """Whether ``op`` adds a bias (one value per last-axis channel) to ``t``."""
+    if op.type == "BiasAdd":
+        return op.inputs[0].name == t.name
+    if op.type not in ("AddV2", "Add") or len(op.inputs) != 2:
+        return False
+    names = [i.name for i in op.inputs]
+    if names.count(t.name) != 1:
+        return False
+    other = op.inputs[1 - names.index(t.name)]
+    if other.shape.rank is None or other.shape.rank < 1 or t.shape.rank is None:
+        return False
+    dims = other.shape.as_list()
+    return (other.shape.rank <= t.shape.rank and all(d == 1 for d in dims[:-1])
+            and dims[-1] is not None and dims[-1] == t.shape.as_list()[-1])
+
+
 def _fusion_inputs(names, region, fused):
     """The tensors outside XLA's fusions that the fused tensors ``names`` are
     computed from. A gradient that reads a fused value recomputes it inside
@@ -410,8 +459,10 @@ def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
 # Names of region tensors by what the planning graph flags on them: ``saved``
 # (some gradient reads it), ``reads_output`` (its producer's gradient reads
 # it), the ys, the forced, ``read_in_place`` (inputs of pinned ops) and
-# ``fused`` (kept inside an XLA fusion, see fused_under_xla).
-_Marks = collections.namedtuple("_Marks", "saved reads_output ys forced read_in_place fused")
+# ``fused`` (kept inside an XLA fusion, see fused_under_xla), and ``biased``
+# and ``bias_sums`` (see biased_in_half_precision).
+_Marks = collections.namedtuple(
+    "_Marks", "saved reads_output ys forced read_in_place fused biased bias_sums")
 
 
 def _marks(region, reads, compiled):
@@ -430,7 +481,8 @@ def _marks(region, reads, compiled):
     read_in_place = {t.name for op in region.pinned for t in op.inputs}
     fused = fused_under_xla(region) if compiled else set()
     saved = (saved - fused) | _fusion_inputs(saved & fused, region, fused)
-    return _Marks(saved, reads_output, y_names, forced, read_in_place, fused)
+    biased, bias_sums = biased_in_half_precision(region)
+    return _Marks(saved, reads_output, y_names, forced, read_in_place, fused, biased, bias_sums)
 
 
 def _add_leaf_xs(g, leaf_xs, shape_of, batch_size):
@@ -558,6 +610,8 @@ def _output_fields(t, op, shape, cost, kind, reads, marks, region, batch_size):
     output of ``op`` (``kind``: its :func:`optable.flags`)."""
     # A variable read aliases the variable's buffer: no activation memory.
     alias = kind["input_read"]
+    if t.name in marks.bias_sums:   # stands in for its matmul's output
+        kind = dict(kind, expensive=True)
     n = num_elements(shape, batch_size or 1)
     size = None if n is None else n * max(t.dtype.size, 1)
     return dict(elements=n,
@@ -571,7 +625,7 @@ def _output_fields(t, op, shape, cost, kind, reads, marks, region, batch_size):
                 grad_reads_inputs=bool(reads[op][0]),
                 candidate=(differentiable(t) and t.name not in marks.ys
                            and t.name not in marks.forced and op not in region.pinned
-                           and not alias),
+                           and not alias and t.name not in marks.biased),
                 offloadable=(differentiable(t) and t.name not in marks.ys and not alias
                              and t.name not in marks.read_in_place),
                 **kind)
