@@ -464,7 +464,7 @@ def _mark_reached_ops(from_ops, reached_ops, func_graphs):
             else:
                 queue.extend(output.consumers())
     if prunable:
-        _skip_unreached_inputs(prunable, reached_ops)
+        _skip_unreached_inputs(prunable, reached_ops, starts)
 
 
 # Their gradients (while_v2's) also read skip_input_indices, and rebuild the
@@ -472,7 +472,7 @@ def _mark_reached_ops(from_ops, reached_ops, func_graphs):
 _SKIP_UNTOUCHED = frozenset({"While", "StatelessWhile"})
 
 
-def _skip_unreached_inputs(ops, reached):
+def _skip_unreached_inputs(ops, reached, starts):
     """Give each of ``ops`` that the walk reached ``skip_input_indices``: its
     inputs whose gradients tf.gradients builds and then drops, as no
     gradient goes on from them: their ops were not reached (only reached
@@ -482,15 +482,17 @@ def _skip_unreached_inputs(ops, reached):
     out, e.g., a batch norm's gradients for its moving mean and for the
     stopped batch mean in its variance: 17% of the gradient ops that
     tf.gradients builds for MobileNetV2. A placeholder is kept, as it may
-    stand for a captured tensor that TF follows outside. Removed when the
-    call ends (:func:`fast_reachability`).
+    stand for a captured tensor that TF follows outside, and so is a
+    ``StopGradient`` among the walk's ``starts`` (an x's op: its gradient
+    is asked for). Removed when the call ends (:func:`fast_reachability`).
     """
     marked = _local_skip.__dict__.setdefault("marked", [])
     for op in ops:
         if op not in reached or op.type in _SKIP_UNTOUCHED:
             continue
         skipped = tuple(i for i, t in enumerate(op.inputs)
-                        if (t.op not in reached or t.op.type == "StopGradient")
+                        if (t.op not in reached
+                            or (t.op.type == "StopGradient" and t.op not in starts))
                         and t.op.type != "Placeholder")
         if skipped:
             op.skip_input_indices = skipped

@@ -207,6 +207,23 @@ class ControlFlow:
         return dict(ys=[tf.reduce_sum(h * h)], xs=vs, tag=[a, b, c])
 
 
+class StoppedX:
+    """An x that is a stopped activation (``tf.stop_gradient``), read by every
+    layer: its gradient is asked for, though none goes on below it."""
+
+    def variables(self):
+        rng = np.random.RandomState(16)
+        return [_var(rng, 16, 16) for _ in range(6)]
+
+    def forward(self, vs):
+        stopped = tf.stop_gradient(tf.tanh(_input(np.random.RandomState(17), 8, 16)))
+        h, tag = stopped, []
+        for w in vs:
+            h = tf.tanh(tf.matmul(h, w)) + 0.5 * stopped
+            tag.append(h)
+        return dict(ys=[tf.reduce_sum(h * h)], xs=[stopped] + vs, tag=tag[1:-1:2])
+
+
 ALL = {
     "chain5": lambda: Chain(5),
     "chain20": lambda: Chain(20),
@@ -219,6 +236,7 @@ ALL = {
     "unconnected": Unconnected,
     "dropout": Dropout,
     "control_flow": ControlFlow,
+    "stopped_x": StoppedX,
 }
 
 

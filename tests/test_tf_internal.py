@@ -358,6 +358,22 @@ def test_prunable_ops_skip_the_inputs_no_gradient_goes_on_from_during_the_walk_o
     assert not hasattr(sub, "skip_input_indices")
 
 
+def test_a_stopped_tensor_asked_for_is_not_skipped():
+    graph = tf.Graph()
+    with graph.as_default():
+        stopped = tf.stop_gradient(tf.constant([1.0, 2.0]))
+        scaled = stopped * tf.constant(3.0)
+        y = tf.reduce_sum(scaled)
+    with tf_internal.fast_reachability(prunable=[scaled.op]):
+        tf_internal.gradients_util_module._MarkReachedOps([stopped.op], set(), [])  # pylint: disable=protected-access
+        assert scaled.op.skip_input_indices == (1,)   # the constant only
+    from memsave.rewrite import plain_gradients  # pylint: disable=import-outside-toplevel
+    with graph.as_default():
+        grad = plain_gradients([y], [stopped], prunable=[scaled.op])[0]
+    with tf.compat.v1.Session(graph=graph) as session:
+        assert session.run(grad).tolist() == [3.0, 3.0]
+
+
 def test_gradients_with_prunable_ops_build_fewer_ops_and_give_tf_values():
     from memsave.rewrite import plain_gradients  # pylint: disable=import-outside-toplevel
     graph, x, y, prunable = _pruning_graph()
