@@ -377,13 +377,13 @@ def test_a_stopped_tensor_asked_for_is_not_skipped():
 def test_gradients_with_prunable_ops_build_fewer_ops_and_give_tf_values():
     from memsave.rewrite import plain_gradients  # pylint: disable=import-outside-toplevel
     graph, x, y, prunable = _pruning_graph()
-    made = []
+    grads, made = [], []
     with graph.as_default():
         for ops in (None, prunable):
             before = len(graph.get_operations())
-            made.append(plain_gradients([y], [x], prunable=ops)[0])
+            grads.append(plain_gradients([y], [x], prunable=ops)[0])
             made.append(len(graph.get_operations()) - before)
-    (plain, plain_ops), (pruned, pruned_ops) = made[:2], made[2:]
+    (plain, pruned), (plain_ops, pruned_ops) = grads, made
     assert pruned_ops < plain_ops
     assert not any(hasattr(op, "skip_input_indices") for op in prunable)
     with tf.compat.v1.Session(graph=graph) as session:

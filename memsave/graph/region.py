@@ -395,17 +395,14 @@ def _adds_a_bias(op, t):
     """Whether ``op`` adds a bias (one value per last-axis channel) to ``t``."""
     if op.type == "BiasAdd":
         return op.inputs[0].name == t.name
-    if op.type not in ("AddV2", "Add") or len(op.inputs) != 2:
+    if op.type not in ("AddV2", "Add"):
         return False
-    names = [i.name for i in op.inputs]
-    if names.count(t.name) != 1:
-        return False
-    other = op.inputs[1 - names.index(t.name)]
-    if other.shape.rank is None or other.shape.rank < 1 or t.shape.rank is None:
-        return False
-    dims = other.shape.as_list()
-    return (other.shape.rank <= t.shape.rank and all(d == 1 for d in dims[:-1])
-            and dims[-1] is not None and dims[-1] == t.shape.as_list()[-1])
+    others = [i for i in op.inputs if i.name != t.name]
+    if len(others) != 1 or not others[0].shape.rank or t.shape.rank is None:
+        return False   # t twice, or a bias of unknown rank or a scalar
+    dims = others[0].shape.as_list()
+    return (len(dims) <= t.shape.rank and all(d == 1 for d in dims[:-1])
+            and dims[-1] is not None and dims[-1] == t.shape[-1])
 
 
 def _fusion_inputs(names, region, fused):
