@@ -77,6 +77,9 @@ _OP_DOC = """
 ("reshape3", a)       reshape(transpose(reshape(h[a], [B, W/2, 2]), [0, 2, 1]), [B, W])
 ("embed", e, seed)    gather(e, ids(seed))  (e: None = fresh table)
 ("dropout", a)        tf.nn.dropout(h[a], 0.5, noise_shape=Shape(h[a]))
+("fracpool", a)       concat(fractional_avg_pool(h[a] as [1, B, W, 1], ratio 1.5 along W,
+                      seed=0) as [B, W*2/3], h[a][:, :W/3]): declared stateless, yet
+                      new windows at every run
 ("loop", form, a, w)  a loop over h[a] reading w: form "while" (2 steps of
                       s/2 + tanh(s @ w)/2), "map" (tanh(row @ w) per row),
                       "scan" (acc/2 + tanh(row @ w)), "map_dropout" (dropout
@@ -108,7 +111,7 @@ def _op_text(op, pool):
         return "concat_split(%s, %s, s=%d)" % (ref(op[1]), ref(op[2]), op[3])
     if kind == "reduce":
         return "%s - reduce_%s(%s, axis=%d)" % (ref(op[3]), op[1], ref(op[3]), op[2])
-    if kind in ("transpose", "reshape3", "dropout"):
+    if kind in ("transpose", "reshape3", "dropout", "fracpool"):
         return "%s(%s)" % (kind, ref(op[1]))
     if kind == "embed":
         return "gather(%s, ids%d)" % ("fresh e" if op[1] is None else "e%d" % op[1], op[2])
@@ -167,8 +170,8 @@ def _walk(spec):
             inter = [h + ".t"]
         elif kind == "reshape3":
             inter = [h + ".r3", h + ".t3"]
-        elif kind == "dropout":
-            pass
+        elif kind == "fracpool":
+            inter = [h + ".pool"]
         yield "op", (op, pool, new_var, inter, h)
         pool += 1
 
@@ -201,7 +204,7 @@ def tensor_names(ops, losses=()):
 # Where each op kind keeps its back-offset operands.
 OPERANDS = {"matmul": (1,), "unary": (2,), "add": (1, 2), "mul": (1, 2), "rowadd": (1, 2),
             "bias": (1,), "concat_split": (1, 2), "reduce": (3,), "transpose": (1,),
-            "reshape3": (1,), "dropout": (1,), "embed": (), "loop": (2,), "cond": (1,),
+            "reshape3": (1,), "dropout": (1,), "fracpool": (1,), "embed": (), "loop": (2,), "cond": (1,),
             "call": (1,), "custom": (2,), "pow": (2,), "conv": (1,)}
 # Where ops that name a variable keep its share index, and its prefix.
 SHARES = {"matmul": (2, "w"), "bias": (2, "b"), "embed": (1, "e"), "loop": (3, "w"),
@@ -242,7 +245,7 @@ def _raw_op(allow_dropout, weak_spots=False):
         st.tuples(st.just("embed"), _SHARE, st.integers(0, 3)),
     ]
     if allow_dropout:
-        kinds.append(st.tuples(st.just("dropout"), _OFFSET))
+        kinds.append(st.tuples(st.sampled_from(["dropout", "fracpool"]), _OFFSET))
     plain = st.one_of(kinds)
     if not weak_spots:
         return plain
@@ -430,6 +433,12 @@ def build(tf, spec, variables):
             elif kind == "dropout":
                 a = at(op[1])
                 out = tf.nn.dropout(a, rate=0.5, noise_shape=tf.raw_ops.Shape(input=a))
+            elif kind == "fracpool":
+                a = at(op[1])
+                pooled = tf.nn.fractional_avg_pool(tf.reshape(a, [1, B, W, 1]),
+                                                   [1.0, 1.0, 1.5, 1.0], pseudo_random=True)[0]
+                pooled = rec(inter[0], tf.reshape(pooled, [B, W * 2 // 3]))
+                out = tf.concat([pooled, a[:, :W // 3]], axis=1)
             elif kind == "loop":
                 out = _loop(tf, op[1], at(op[2]), variables[new_var[0]])
             elif kind == "cond":
@@ -511,14 +520,16 @@ def build(tf, spec, variables):
                 tensors=named, forward=pool + loss_ts, writes=writes)
 
 
-def prints(spec):
-    """Whether a loop body calls tf.print (which XLA cannot compile)."""
-    return any(op[0] == "loop" and op[1] == "map_print" for op in spec.ops)
+def without_xla_kernels(spec):
+    """Whether the forward pass holds an op XLA cannot compile: tf.print in a
+    loop body, a fractional pool."""
+    return any((op[0] == "loop" and op[1] == "map_print") or op[0] == "fracpool"
+               for op in spec.ops)
 
 
 def is_random(spec):
     """Whether the forward pass draws random numbers (forward values differ per run)."""
-    return any(op[0] == "dropout" or (op[0] == "loop" and op[1] == "map_dropout")
+    return any(op[0] in ("dropout", "fracpool") or (op[0] == "loop" and op[1] == "map_dropout")
                for op in spec.ops)
 
 

@@ -32,6 +32,13 @@ offloading, against plain ``tf.gradients`` on the same graph:
 - *gated reads*: a copied ``Pow`` reads its input through a gate
   (an Identity that carries its control inputs); when that input was an
   offloaded checkpoint's swap-in, the swap-in's gradient was not asked for.
+- *random without state* (found by a helper trying to break memsave):
+  ``tf.nn.fractional_max_pool`` and ``fractional_avg_pool`` with
+  ``seed=0`` pick new pooling windows at every run, yet TensorFlow declares
+  them stateless; a copy pooled over other windows than the forward op
+  (0.13-0.79 of the largest entry off plain's, or FractionalMaxPoolGrad's
+  "tensor_out_dup is not the same as tensor_out"). They are pinned unless
+  their ``deterministic`` attribute is set (a nonzero seed sets it).
 - *users' gradients* (found by a helper trying to break memsave): an op
   recomputed in several segments is differentiated in each, on part of its
   output gradient, and the parts' results are summed. A
@@ -50,6 +57,7 @@ import tensorflow as tf
 
 import memsave
 import memsave.keras
+from memsave.graph import stateful
 from memsave.planning import policies
 
 STRATEGIES = ("list", "optimal", "memory", "speed")
@@ -334,6 +342,43 @@ def _pow_reads_offloaded(ws):
 POW_READS_OFFLOADED = _Case(_weights(4, (8, 8), (8, 8)), _pow_reads_offloaded)
 
 
+# ---------------------------------------------------------------- random without state
+
+def _fractional_pool(pool, in_call):
+    """A fractional pool with seed=0 between einsums (in a function call with
+    ``in_call``); the listed checkpoint is above it, so a plan that copied
+    it would pool over new windows."""
+    def forward(ws):
+        w0, w1, w2 = ws
+        x = tf.constant(np.random.RandomState(13).randn(4, 8, 8, 3))
+        h = tf.tanh(tf.einsum("bhwc,cd->bhwd", x, w0))
+
+        def pooled(t):
+            return pool(tf.sin(t), [1.0, 1.5, 1.5, 1.0], pseudo_random=True)[0]
+        p = tf.function(pooled)(h) if in_call else pooled(h)
+        q = tf.tanh(tf.einsum("bhwc,cd->bhwd", p, w1))
+        return tf.reduce_sum(tf.tanh(tf.einsum("bhwc,cd->bhwd", q, w2)) ** 2), ws, [q]
+    return _Case(_weights(13, (3, 4), (4, 4), (4, 4)), forward)
+
+
+RANDOM_WITHOUT_STATE = {
+    "%s%s" % (name, "_in_call" if in_call else ""): _fractional_pool(pool, in_call)
+    for name, pool in (("fractional_max_pool", tf.nn.fractional_max_pool),
+                       ("fractional_avg_pool", tf.nn.fractional_avg_pool))
+    for in_call in (False, True)}
+
+
+def test_a_seeded_fractional_pool_is_still_recomputed():
+    """A nonzero seed makes the pool deterministic: it costs no pinned memory."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.random.RandomState(14).randn(2, 8, 8, 3))
+        seeded = tf.nn.fractional_avg_pool(tf.sin(x), [1.0, 1.5, 1.5, 1.0], seed=7)[0]
+        unseeded = tf.nn.fractional_avg_pool(tf.sin(x), [1.0, 1.5, 1.5, 1.0])[0]
+    assert not stateful.is_pinned(seeded.op)
+    assert stateful.is_pinned(unseeded.op)
+
+
 # ---------------------------------------------------------------- users' gradients
 
 @tf.custom_gradient
@@ -405,6 +450,7 @@ def test_the_audit_catches_a_users_gradient_run_on_parts(monkeypatch):
 
 # Each mechanism's float64 case: plain's gradients to 1e-9 of the largest entry.
 MECHANISMS = {**{"kept_loop/" + k: v for k, v in KEPT_LOOPS.items()},
+              **{"random_without_state/" + k: v for k, v in RANDOM_WITHOUT_STATE.items()},
               **{"users_gradient/" + k: v for k, v in USERS_GRADIENTS.items()},
               "call_feeding_a_kept_op": KEPT_CALLS,
               "gated_read_of_an_offloaded_checkpoint": POW_READS_OFFLOADED}

@@ -25,6 +25,19 @@ VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherN
 # Ops declared stateless that still must not run twice.
 ALWAYS_PINNED = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
+# Ops declared stateless that draw new random values at every run unless their
+# ``deterministic`` attribute is set: ``tf.nn.fractional_max_pool`` and
+# ``fractional_avg_pool`` with ``seed=0`` (the default) pick new pooling
+# windows each time, so a copy pools over other windows than the forward op.
+RANDOM_UNLESS_DETERMINISTIC = frozenset({"FractionalMaxPool", "FractionalAvgPool"})
+
+
+def draws_at_each_run(op_type, attrs):
+    """Whether an op of ``op_type`` with NodeDef attributes ``attrs`` gives new
+    random values at every run although TensorFlow declares it stateless."""
+    return op_type in RANDOM_UNLESS_DETERMINISTIC and not (
+        "deterministic" in attrs and attrs["deterministic"].b)
+
 # Ops whose function attributes hold bodies we inspect instead of the op flag.
 FUNCTION_CALLS = frozenset({
     "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
@@ -85,7 +98,7 @@ def body_nodes(op):
 
 def _body_is_pinned(graph, names):
     for node in function_nodes(graph, names):
-        if node is None or node.op in ALWAYS_PINNED:
+        if node is None or node.op in ALWAYS_PINNED or draws_at_each_run(node.op, node.attr):
             return True   # unknown body: be safe
         op_def = tf_internal.get_op_def(node.op)
         if op_def is not None and op_def.is_stateful and node.op not in RECOMPUTABLE_STATEFUL:
@@ -167,7 +180,7 @@ def is_pinned(op, written=None):
     ``written`` is :func:`written_handles`' map; a control-flow or call op
     reading a variable that a later op writes is pinned.
     """
-    if op.type in ALWAYS_PINNED:
+    if op.type in ALWAYS_PINNED or draws_at_each_run(op.type, op.node_def.attr):
         return True
     if op.type in VARIABLE_READS:
         # Never re-read a variable in the backward pass: inside tf.function an
