@@ -298,3 +298,40 @@ def test_segment_forgets_its_stops(monkeypatch):
     _caught(lambda: _session_worst(_shared_weight_case), "counted 2 times")
     _without_audit(monkeypatch)
     assert _session_worst(_shared_weight_case) > 1e-3
+
+
+def test_recomputed_fractional_pool(monkeypatch):
+    """A fractional pool with seed=0 picks new windows at every run: pinned,
+    and the audit refuses a plan that recomputes it."""
+    from tests.test_known_classes import RANDOM_WITHOUT_STATE  # pylint: disable=C0415
+    pinned = region.is_pinned
+    monkeypatch.setattr(region, "is_pinned", lambda op, written=None: (
+        op.type not in ("FractionalMaxPool", "FractionalAvgPool") and pinned(op, written)))
+    case = RANDOM_WITHOUT_STATE["fractional_avg_pool"]
+    _caught(lambda: _in_session(case, "list", None), r"FractionalAvgPool.* is recomputed")
+    _without_audit(monkeypatch)
+    assert _wrong_or_fails(lambda: _in_session(case, "list", None))
+
+
+def test_recomputed_tensor_left_feedable(monkeypatch):
+    """In a Session, a fed tensor that a copy computes again: the copy would not
+    see the fed value."""
+    from tests.test_known_classes import _carried_state  # pylint: disable=C0415
+    monkeypatch.setattr(tf.Graph, "prevent_feeding", lambda graph, tensor: None)
+
+    def run():
+        graph = tf.Graph()
+        with graph.as_default():
+            state, layers, loss, xs = _carried_state(feedable=False)
+            ours = memsave.gradients(loss, xs, checkpoints=[layers[2]])
+            plain = tf.gradients(loss, xs)
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                feed = {state: np.random.RandomState(16).randn(4, 8)}
+                p, o = sess.run([plain, ours], feed)
+        return max(float(np.abs(a - b).max()) for a, b in zip(p, o)) / max(
+            float(np.abs(a).max()) for a in p)
+
+    _caught(run, r"is recomputed, but a Session may feed it")
+    _without_audit(monkeypatch)
+    assert _wrong_or_fails(run)

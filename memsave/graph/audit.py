@@ -578,6 +578,10 @@ def _recomputed_values_may_differ(ledger, region):
         if _has_effects(original):
             out.append("%s (%s) is recomputed, but running it again may not give the same "
                        "result" % (original.name, original.type))
+        if any(ledger.graph.is_feedable(t) for t in original.outputs) and not isinstance(
+                ledger.graph, tf_internal.FuncGraph):
+            out.append("%s (%s) is recomputed, but a Session may feed it: the copy would "
+                       "not see the fed value" % (original.name, original.type))
         for h in original.inputs:
             if h.dtype != tf.resource:
                 continue

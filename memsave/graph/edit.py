@@ -42,6 +42,11 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
     they are. Every copy also waits for ``wait_for`` (ops or tensors; directly, or
     through a copy it reads), which stops Grappler from merging the copy back
     into its original (CSE) or hoisting it into the forward pass.
+
+    In a Session's graph the originals' outputs become unfeedable: a value
+    fed for one would reach the forward pass and plain gradients but not the
+    copy, which computes it again, so the gradients would silently differ;
+    ``Session.run`` raises "may not be fed" instead.
     """
     replace = dict(replace or {})
     order = topo_order(op_set)
@@ -72,6 +77,10 @@ def copy_ops(op_set, replace=None, wait_for=(), scope="memsave"):
         control = [copies.get(c, c) for c in op.control_inputs] + waits.get(op, [])
         copies[op] = copy_op(graph, op, inputs, "%s/%s" % (scope, op.name), control,
                              made=result.made)
+    if not isinstance(graph, tf_internal.FuncGraph):   # a tf.function is never fed
+        for op in order:
+            for t in op.outputs:
+                graph.prevent_feeding(t)
     return result
 
 

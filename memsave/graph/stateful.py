@@ -32,6 +32,10 @@ ALWAYS_PINNED = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 RANDOM_UNLESS_DETERMINISTIC = frozenset({"FractionalMaxPool", "FractionalAvgPool"})
 
 
+# A Session may feed it: its output is then the fed value, a copy's the default.
+FEEDABLE = "PlaceholderWithDefault"
+
+
 def draws_at_each_run(op_type, attrs):
     """Whether an op of ``op_type`` with NodeDef attributes ``attrs`` gives new
     random values at every run although TensorFlow declares it stateless."""
@@ -181,6 +185,8 @@ def is_pinned(op, written=None):
     reading a variable that a later op writes is pinned.
     """
     if op.type in ALWAYS_PINNED or draws_at_each_run(op.type, op.node_def.attr):
+        return True
+    if op.type == FEEDABLE and not isinstance(op.graph, tf_internal.FuncGraph):
         return True
     if op.type in VARIABLE_READS:
         # Never re-read a variable in the backward pass: inside tf.function an
