@@ -134,6 +134,20 @@ def _flat_targets(target):
     return [t.handle if tf_internal.is_resource_variable(t) else t for t in flat]
 
 
+def _check_targets_traced(target):
+    """Raise _Fallback where a target leaves no graph to rewrite: an eager
+    tensor, or a tf.Variable inside tf.function (its handle is eager there;
+    it is no eager execution, and the warning says what it is)."""
+    if not tf.executing_eagerly() and any(
+            tf_internal.is_resource_variable(t) for t in tf.nest.flatten(target)):
+        raise _Fallback("variable-target", (
+            "memsave: GradientTape.gradient got a tf.Variable among its targets; the "
+            "plain tf.GradientTape is used for such calls and no memory is saved (pass "
+            "a tensor computed from it instead, e.g. tf.identity(variable))"))
+    if any(isinstance(t, tf_internal.EagerTensor) for t in _flat_targets(target)):
+        raise _Fallback("eager", EAGER_MESSAGE)
+
+
 def _flat_output_gradients(output_gradients):
     if output_gradients is None:
         return None
@@ -192,9 +206,8 @@ def _checked_inputs(target, sources, output_gradients):
     Returns (graph, flat targets, flat raw sources, flat source graph tensors,
     flat output gradients).
     """
+    _check_targets_traced(target)
     flat_targets = _flat_targets(target)
-    if any(isinstance(t, tf_internal.EagerTensor) for t in flat_targets):
-        raise _Fallback("eager", EAGER_MESSAGE)
     if not all(_is_graph_tensor(t) for t in flat_targets):
         raise _Fallback("composite", "memsave: GradientTape.gradient got a target that is not "
                         "a plain tf.Tensor (e.g. a RaggedTensor or IndexedSlices); the plain "
@@ -386,8 +399,7 @@ def _rewritable_call(tape, target, sources, output_gradients):
 
     Pauses a non-persistent tape that is still recording, as the plain tape does.
     """
-    if any(isinstance(t, tf_internal.EagerTensor) for t in _flat_targets(target)):
-        raise _Fallback("eager", EAGER_MESSAGE)
+    _check_targets_traced(target)
     if tf_internal.tape_recording(tape):
         if tf_internal.tape_persistent(tape):
             raise _Fallback("persistent-recording", (

@@ -327,6 +327,29 @@ def test_eager_fallback_warns_once(caplog, rewrites):
     assert not rewrites
 
 
+def test_a_variable_target_in_tf_function_falls_back_saying_why(caplog, rewrites):
+    """A tf.Variable target's handle is eager inside tf.function: that is no
+    eager execution, and the fallback's warning must not say it is."""
+    ws, x = _variables(4, seed=12), _input()
+    reset_warnings()
+
+    def step(tape_type):
+        @tf.function
+        def f():
+            with tape_type() as tape:
+                loss = tf.reduce_sum(chain(ws, x))
+            return tape.gradient([loss, ws[0]], ws)
+        return f()
+
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        ours = step(memsave.GradientTape)
+    assert_same(step(tf.GradientTape), ours)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("tf.Variable among its targets" in m for m in said), said
+    assert not any("executing eagerly" in m for m in said), said
+    assert not rewrites
+
+
 def test_no_bottleneck_raises():
     """Every activation is bypassed by a skip to the output: 'memory' cannot cut."""
     ws, x = _variables(6, seed=11), _input()
