@@ -202,7 +202,7 @@ def _budget(value):
 
 
 def _max_recompute(value):
-    if value is not None and (not _number(value) or value < 0):
+    if value is not None and (not _number(value) or not value >= 0):   # NaN too
         raise ValueError(MAX_RECOMPUTE_ERROR % (value,))
     return value
 

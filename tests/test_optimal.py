@@ -232,8 +232,9 @@ def test_max_recompute_caps_the_recomputed_work():
         assert caps[0].kept == [] and caps[0].estimated_peak_bytes == caps[0].plain_peak_bytes
         assert caps[2].estimated_peak_bytes <= caps[1].estimated_peak_bytes
         grads = memsave.gradients(loss, ws, checkpoints="optimal", max_recompute=0.1)
-        with pytest.raises(ValueError, match="max_recompute must be"):
-            memsave.plan(loss, ws, checkpoints="optimal", max_recompute=-1)
+        for bad in (-1, float("nan")):
+            with pytest.raises(ValueError, match="max_recompute must be"):
+                memsave.plan(loss, ws, checkpoints="optimal", max_recompute=bad)
         with pytest.raises(ValueError, match="needs checkpoints='optimal'"):
             memsave.plan(loss, ws, checkpoints="memory", max_recompute=0.1)
     assert_same_as_plain(graph, loss, ws, grads)
