@@ -103,6 +103,20 @@ def test_zoo_benchmark_quick(tmp_path):
     assert ("| plain (fallback) |" in stdout) == any(r.get("fell_back") for r in rows.values())
 
 
+@pytest.mark.slow   # about a minute: a small keras-hub GPT2 traced eight times
+def test_build_time_benchmark_quick(tmp_path):
+    stdout = _run(["benchmarks.build_time", "--quick", "--models", "GPT2", "--pairs", "2",
+                   "--configs", "plain again;optimal (default)"], tmp_path)
+    rows = json.loads((tmp_path / "build_time.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["plain again", "optimal (default)"]
+    for row in rows:
+        assert len(row["pairs"]) == 2
+        for p in row["pairs"]:
+            assert min(p.values()) > 0
+        assert row["build_ratio"] > 0 and row["trace_ratio"] > 0
+    assert "| GPT2 (b2) | optimal (default) | 2 |" in stdout
+
+
 def test_zoo_render_rewrites_the_table_from_the_stored_run(tmp_path):
     from benchmarks import zoo  # pylint: disable=import-outside-toplevel
     row = dict(model="GPT2", batch=2, size=64, peak_min=10.0, peak_median=10.0, peak_max=10.0,
