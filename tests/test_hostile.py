@@ -587,6 +587,26 @@ def test_v1_control_flow_raises_clearly(structure):
             tf.compat.v1.enable_control_flow_v2()
 
 
+def test_v1_while_loop_upstream_of_the_region():
+    """A TF1 loop that only feeds the region (a scale no x reaches) is a cycle
+    in the graph (NextIteration feeds Merge): the audit's walk went round it
+    forever. Nothing of it is differentiated: plain's gradients."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph, x, ws, hs, _ = _chain()
+        with graph.as_default():
+            scale = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 0.9),
+                                  [0, tf.constant(1.0, hs[0].dtype)])[1]
+            loss = tf.reduce_sum(tf.tanh(hs[-1] * scale))
+            plain = tf.gradients(loss, ws)
+            ours = memsave.gradients(loss, ws, checkpoints=[hs[2]])
+        _run_equal(graph, plain, ours)
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+
+
 # ------------------------------------------------------------------ the None-pattern guard
 
 def test_guard_refuses_a_lost_gradient(monkeypatch):

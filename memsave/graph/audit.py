@@ -206,7 +206,7 @@ class _Flow:
         self.limit = limit
         self.xs = {x.ref() for x in xs}
         self._from = {x.op for x in xs}
-        self._reached = {}
+        self._downstream = None   # the ops reached (see reached)
         stop_ops = {t.op for t in stops}
         self.edges, self.sending, self.seeded = [], set(), []
         heap, active = [], set()
@@ -235,28 +235,23 @@ class _Flow:
                     heapq.heappush(heap, (-tf_internal.op_id(t.op), t.op))
 
     def reached(self, op):
-        """Whether ``op`` is downstream of an x's op (TensorFlow's 'reached')."""
-        memo = self._reached
-        if op in memo:
-            return memo[op]
-        stack = [op]
-        while stack:
-            cur = stack[-1]
-            if cur in memo:
-                stack.pop()
-                continue
-            if cur in self._from:
-                memo[cur] = True
-                stack.pop()
-                continue
-            parents = [t.op for t in cur.inputs if tf_internal.op_id(t.op) < self.limit]
-            todo = [p for p in parents if p not in memo]
-            if todo:
-                stack.extend(todo)
-                continue
-            memo[cur] = any(memo[p] for p in parents)
-            stack.pop()
-        return memo[op]
+        """Whether ``op`` is downstream of an x's op (TensorFlow's 'reached'),
+        through ops made before ``limit``. Walked forward from the xs once:
+        a TF1 while loop upstream of the region is a cycle (NextIteration
+        feeds Merge), which a walk up from ``op`` would go round forever."""
+        if self._downstream is None:
+            seen, stack = set(self._from), list(self._from)
+            while stack:
+                for t in stack.pop().outputs:
+                    for c in t.consumers():
+                        if c not in seen and tf_internal.op_id(c) < self.limit:
+                            seen.add(c)
+                            stack.append(c)
+            self._downstream = seen
+        if op in self._downstream:
+            return True
+        return tf_internal.op_id(op) >= self.limit and any(
+            t.op in self._downstream for t in op.inputs if tf_internal.op_id(t.op) < self.limit)
 
 
 def _has_gradient(op):
