@@ -335,3 +335,27 @@ def test_recomputed_tensor_left_feedable(monkeypatch):
     _caught(run, r"is recomputed, but a Session may feed it")
     _without_audit(monkeypatch)
     assert _wrong_or_fails(run)
+
+
+def test_recomputed_read_of_a_reference_variable_written_in_place(monkeypatch):
+    """A TF1 variable's read shares its buffer: an op reading it, recomputed
+    after an assign_add of the same run, saw the new value."""
+    from tests.test_known_classes import written_in_place  # pylint: disable=C0415
+    found = region.written_handles
+    monkeypatch.setattr(region, "written_handles", lambda graph, ops: {
+        k: v for k, v in found(graph, ops).items() if k.deref().dtype.name != "float64_ref"})
+
+    def run():
+        graph, loss, ws = written_in_place()
+        with graph.as_default():
+            ours = memsave.gradients(loss, ws, checkpoints="speed")
+            plain = tf.gradients(loss, ws)
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                p, o = sess.run([plain, ours])
+        return max(float(np.abs(a - b).max()) for a, b in zip(p, o)) / max(
+            float(np.abs(a).max()) for a in p)
+
+    _caught(run, r"is recomputed after .*AssignAdd.* may have written")
+    _without_audit(monkeypatch)
+    assert _wrong_or_fails(run)

@@ -578,16 +578,21 @@ def _recomputed_values_may_differ(ledger, region):
             out.append("%s (%s) is recomputed, but a Session may feed it: the copy would "
                        "not see the fed value" % (original.name, original.type))
         for h in original.inputs:
-            if h.dtype != tf.resource:
+            ref = stateful.ref_variable(h)
+            if ref is not None:     # a TF1 reference variable, written in place
+                h, writers = ref, stateful.ref_writers(ref)
+            elif h.dtype != tf.resource:
                 continue
-            if not by_creation and original.type in stateful.FUNCTION_CALLS:
+            elif not by_creation and original.type in stateful.FUNCTION_CALLS:
                 out.append("%s (%s) reads %s in its body and is recomputed, in a graph "
                            "run by a Session: an update made after the gradients (an "
                            "optimizer's, in the same run) may write it first"
                            % (original.name, original.type, h.name))
                 continue
-            for writer in h.consumers():
-                if writer in ledger.copy_of or writer is original or not _has_effects(writer):
+            else:
+                writers = [w for w in h.consumers() if _has_effects(w)]
+            for writer in writers:
+                if writer in ledger.copy_of or writer is original:
                     continue
                 if by_creation:
                     changed = (tf_internal.op_id(original) < tf_internal.op_id(writer)

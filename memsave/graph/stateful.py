@@ -51,6 +51,26 @@ FUNCTION_CALLS = frozenset({
 # Non-writing consumers of a resource handle.
 _HANDLE_READERS = VARIABLE_READS | {"VariableShape", "VarIsInitializedOp"}
 
+# Non-writing consumers of a TF1 reference variable (``use_resource=False``).
+_REF_READERS = frozenset({"Identity", "IsVariableInitialized"})
+
+
+def ref_variable(t):
+    """The TF1 reference variable (its ref tensor) whose buffer ``t`` is, or None:
+    the ref itself, or its snapshot read (an Identity forwards the buffer, so
+    an in-place assign made later changes what a copy reading it sees)."""
+    if t.dtype != t.dtype.base_dtype:
+        return t
+    op = t.op
+    if op.type == "Identity" and op.inputs and op.inputs[0].dtype != op.inputs[0].dtype.base_dtype:
+        return op.inputs[0]
+    return None
+
+
+def ref_writers(ref):
+    """The consumers of a reference variable's ref tensor that may write it."""
+    return [c for c in ref.consumers() if c.type not in _REF_READERS]
+
 
 def _function_names(node_attrs):
     for value in node_attrs.values():
@@ -111,7 +131,8 @@ def _body_is_pinned(graph, names):
 
 
 def written_handles(graph, region_ops):
-    """``{handle ref: order}`` for resource handles a later op may write.
+    """``{handle ref: order}`` for resource handles (and TF1 reference
+    variables' ref tensors, see :func:`ref_variable`) a later op may write.
 
     ``order`` is the creation id of the latest writer, or infinity for a
     writer that runs after ``region_ops``; a reader created before it may
@@ -132,6 +153,9 @@ def written_handles(graph, region_ops):
     writers = {}
     for op in graph.get_operations():
         for t in op.outputs:
+            if t.dtype != t.dtype.base_dtype:   # a reference variable
+                for consumer in ref_writers(t):
+                    writers.setdefault(consumer, []).append(t.ref())
             if t.dtype.name != "resource":
                 continue
             for consumer in t.consumers():
@@ -188,6 +212,12 @@ def is_pinned(op, written=None):
         return True
     if op.type == FEEDABLE and not isinstance(op.graph, tf_internal.FuncGraph):
         return True
+    written = written or {}
+    if any(r is not None and written.get(r.ref(), -1) > tf_internal.op_id(op)
+           for r in map(ref_variable, op.inputs)):
+        # A TF1 reference variable written later in place: a copy reading it
+        # would see the new value.
+        return True
     if op.type in VARIABLE_READS:
         # Never re-read a variable in the backward pass: inside tf.function an
         # optimizer update in the same step may run before the re-read
@@ -198,7 +228,6 @@ def is_pinned(op, written=None):
     if functions.has_bodies(op) and not functions.copyable(op):
         return True
     if op.type in FUNCTION_CALLS:
-        written = written or {}
         if any(t.dtype.name == "resource"
                and written.get(t.ref(), -1) > tf_internal.op_id(op)
                for t in op.inputs):
