@@ -136,8 +136,8 @@ def _flat_targets(target):
 
 def _check_targets_traced(target):
     """Raise _Fallback where a target leaves no graph to rewrite: an eager
-    tensor, or a tf.Variable inside tf.function (its handle is eager there;
-    it is no eager execution, and the warning says what it is)."""
+    tensor, or a tf.Variable inside tf.function (its handle is an eager
+    tensor there too, but the step is traced: the warning says which)."""
     if not tf.executing_eagerly() and any(
             tf_internal.is_resource_variable(t) for t in tf.nest.flatten(target)):
         raise _Fallback("variable-target", (

@@ -206,7 +206,7 @@ class _Flow:
         self.limit = limit
         self.xs = {x.ref() for x in xs}
         self._from = {x.op for x in xs}
-        self._downstream = None   # the ops reached (see reached)
+        self._reached = {}
         stop_ops = {t.op for t in stops}
         self.edges, self.sending, self.seeded = [], set(), []
         heap, active = [], set()
@@ -236,22 +236,36 @@ class _Flow:
 
     def reached(self, op):
         """Whether ``op`` is downstream of an x's op (TensorFlow's 'reached'),
-        through ops made before ``limit``. Walked forward from the xs once:
-        a TF1 while loop upstream of the region is a cycle (NextIteration
-        feeds Merge), which a walk up from ``op`` would go round forever."""
-        if self._downstream is None:
-            seen, stack = set(self._from), list(self._from)
-            while stack:
-                for t in stack.pop().outputs:
-                    for c in t.consumers():
-                        if c not in seen and tf_internal.op_id(c) < self.limit:
-                            seen.add(c)
-                            stack.append(c)
-            self._downstream = seen
-        if op in self._downstream:
-            return True
-        return tf_internal.op_id(op) >= self.limit and any(
-            t.op in self._downstream for t in op.inputs if tf_internal.op_id(t.op) < self.limit)
+        through ops made before ``limit``: walked up from ``op``, remembered.
+
+        A TF1 while loop upstream of the region is a cycle (NextIteration
+        feeds Merge): an op met again while its own walk is under way counts
+        as not reached there, so the walk ends. No x reaches such a loop (one
+        between xs and ys is refused before any rewrite), so the answer holds.
+        """
+        memo = self._reached
+        if op in memo:
+            return memo[op]
+        stack, entered = [op], set()
+        while stack:
+            cur = stack[-1]
+            if cur in memo:
+                stack.pop()
+                continue
+            if cur in self._from:
+                memo[cur] = True
+                stack.pop()
+                continue
+            parents = [t.op for t in cur.inputs if tf_internal.op_id(t.op) < self.limit]
+            if cur not in entered:
+                entered.add(cur)
+                todo = [p for p in parents if p not in memo and p not in entered]
+                if todo:
+                    stack.extend(todo)
+                    continue
+            memo[cur] = any(memo.get(p, False) for p in parents)
+            stack.pop()
+        return memo[op]
 
 
 def _has_gradient(op):

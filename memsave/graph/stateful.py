@@ -25,15 +25,14 @@ VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherN
 # Ops declared stateless that still must not run twice.
 ALWAYS_PINNED = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
+# A Session may feed it: its output is then the fed value, a copy's the default.
+FEEDABLE = "PlaceholderWithDefault"
+
 # Ops declared stateless that draw new random values at every run unless their
 # ``deterministic`` attribute is set: ``tf.nn.fractional_max_pool`` and
 # ``fractional_avg_pool`` with ``seed=0`` (the default) pick new pooling
 # windows each time, so a copy pools over other windows than the forward op.
 RANDOM_UNLESS_DETERMINISTIC = frozenset({"FractionalMaxPool", "FractionalAvgPool"})
-
-
-# A Session may feed it: its output is then the fed value, a copy's the default.
-FEEDABLE = "PlaceholderWithDefault"
 
 
 def draws_at_each_run(op_type, attrs):
@@ -62,8 +61,10 @@ def ref_variable(t):
     if t.dtype != t.dtype.base_dtype:
         return t
     op = t.op
-    if op.type == "Identity" and op.inputs and op.inputs[0].dtype != op.inputs[0].dtype.base_dtype:
-        return op.inputs[0]
+    if op.type == "Identity" and op.inputs:
+        read = op.inputs[0]
+        if read.dtype != read.dtype.base_dtype:
+            return read
     return None
 
 
