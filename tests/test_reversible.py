@@ -20,7 +20,7 @@ import tensorflow as tf
 import memsave
 from benchmarks.reversible import revnet_step
 from memsave import reversible as R
-from memsave.profile import peak_memory
+from memsave.profile import measured_call, peak_memory
 
 C = 8          # channels of the equality tests
 MiB = 2 ** 20
@@ -239,9 +239,17 @@ def test_trainable_variables_cover_keras_and_explicit_ones():
 # --------------------------------------------------------------------------
 # memory
 
+def _least_peak(step, calls=3):
+    """The least peak of a few calls after a warm-up: in a test worker, one
+    call's peak varies with the chunks earlier tests left in the allocator
+    (a RevNet of depth 8 measured 4.7 MiB there, 6.5 alone)."""
+    step()
+    return min(measured_call(step)[1] for _ in range(calls))
+
+
 @pytest.mark.heavy
 def test_peak_memory_constant_in_depth():
-    rev = {n: peak_memory(revnet_step(n, False)) / MiB for n in (8, 32, 128)}
+    rev = {n: _least_peak(revnet_step(n, False)) / MiB for n in (8, 32, 128)}
     plain = {n: peak_memory(revnet_step(n, True)) / MiB for n in (8, 128)}
     logging.getLogger("memsave").info("reversible %s MiB, plain %s MiB", rev, plain)
     assert rev[128] / rev[8] <= 1.5, rev
