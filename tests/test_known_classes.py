@@ -462,8 +462,7 @@ def written_in_place():
 def test_a_reference_variable_written_in_place_is_not_read_again(strategy):
     graph, loss, ws = written_in_place()
     with graph.as_default():
-        listed = [graph.get_operation_by_name(loss.op.name).inputs[0]]
-        ours = _ours(loss, ws, listed, strategy, None)
+        ours = _ours(loss, ws, [loss.op.inputs[0]], strategy, None)   # 'list': the top
         plain = tf.gradients(loss, ws)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
