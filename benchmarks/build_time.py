@@ -58,24 +58,13 @@ def child(name, pairs, only=None, quick=False):
     """One model's rows in this process (JSON on stdout)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    import memsave  # pylint: disable=import-outside-toplevel
     from benchmarks import zoo  # pylint: disable=import-outside-toplevel
 
-    batch, size = (zoo.QUICK_SIZES if quick else zoo.SIZES)[name]
-    model, x, y, loss_fn = zoo._build(name, batch, size)  # pylint: disable=protected-access
-    inputs = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
-    labels = tf.constant(y)
-    weights = model.trainable_variables
+    batch, size, step_for = zoo.training_steps(name, quick)
 
     def build(checkpoints, options):
         """(trace s, build s) of a fresh step (the zoo's)."""
-        @tf.function
-        def step():
-            tape = (tf.GradientTape() if checkpoints is None
-                    else memsave.GradientTape(checkpoints=checkpoints, **options))
-            with tape:
-                loss = loss_fn(labels, model(inputs, training=True))
-            return [g for g in tape.gradient(loss, weights) if g is not None]
+        step = step_for(checkpoints, options)
         gc.collect()
         start = time.perf_counter()
         step.get_concrete_function()

@@ -139,13 +139,13 @@ def _build(key, batch, size):
     return model, [ids, np.zeros_like(ids), np.ones_like(ids)], rng.randint(0, 3, batch), loss
 
 
-def child(name, quick, pairs, only=None):
-    """One model's rows in this process (JSON on stdout)."""
+def training_steps(name, quick=False):
+    """``(batch, size, step_for)`` for zoo entry ``name``: ``step_for(checkpoints,
+    options)`` makes a fresh ``tf.function`` training step (forward, loss,
+    gradients of every trainable weight) under ``memsave.GradientTape``, or
+    the plain tape where ``checkpoints`` is None."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     import memsave  # pylint: disable=import-outside-toplevel
-    from memsave.profile import peak_memory  # pylint: disable=import-outside-toplevel
-    from memsave.log import reset_warnings  # pylint: disable=import-outside-toplevel
 
     batch, size = (QUICK_SIZES if quick else SIZES)[name]
     model, x, y, loss_fn = _build(name, batch, size)
@@ -162,6 +162,18 @@ def child(name, quick, pairs, only=None):
                 loss = loss_fn(labels, model(inputs, training=True))
             return [g for g in tape.gradient(loss, weights) if g is not None]
         return step
+    return batch, size, step_for
+
+
+def child(name, quick, pairs, only=None):
+    """One model's rows in this process (JSON on stdout)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import memsave  # pylint: disable=import-outside-toplevel
+    from memsave.profile import peak_memory  # pylint: disable=import-outside-toplevel
+    from memsave.log import reset_warnings  # pylint: disable=import-outside-toplevel
+
+    batch, size, step_for = training_steps(name, quick)
 
     def timed(fn):
         start = time.perf_counter()
