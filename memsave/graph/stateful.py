@@ -54,17 +54,20 @@ _HANDLE_READERS = VARIABLE_READS | {"VariableShape", "VarIsInitializedOp"}
 _REF_READERS = frozenset({"Identity", "IsVariableInitialized"})
 
 
+def _is_ref(t):
+    """Whether ``t`` is a TF1 reference variable's ref tensor (a ref dtype)."""
+    return t.dtype != t.dtype.base_dtype
+
+
 def ref_variable(t):
     """The TF1 reference variable (its ref tensor) whose buffer ``t`` is, or None:
     the ref itself, or its snapshot read (an Identity forwards the buffer, so
     an in-place assign made later changes what a copy reading it sees)."""
-    if t.dtype != t.dtype.base_dtype:
+    if _is_ref(t):
         return t
     op = t.op
-    if op.type == "Identity" and op.inputs:
-        read = op.inputs[0]
-        if read.dtype != read.dtype.base_dtype:
-            return read
+    if op.type == "Identity" and op.inputs and _is_ref(op.inputs[0]):
+        return op.inputs[0]
     return None
 
 
@@ -154,7 +157,7 @@ def written_handles(graph, region_ops):
     writers = {}
     for op in graph.get_operations():
         for t in op.outputs:
-            if t.dtype != t.dtype.base_dtype:   # a reference variable
+            if _is_ref(t):
                 for consumer in ref_writers(t):
                     writers.setdefault(consumer, []).append(t.ref())
             if t.dtype.name != "resource":
