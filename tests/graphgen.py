@@ -80,6 +80,8 @@ _OP_DOC = """
 ("fracpool", a)       concat(fractional_avg_pool(h[a] as [1, B, W, 1], ratio 1.5 along W,
                       seed=0) as [B, W*2/3], h[a][:, :W/3]): declared stateless, yet
                       new windows at every run
+("inplace", a)        h[a] * stop_gradient(InplaceAdd(DeepCopy(h[a]), rows 0 and 2, 0.5)):
+                      declared stateless, yet it writes the copy's buffer
 ("loop", form, a, w)  a loop over h[a] reading w: form "while" (2 steps of
                       s/2 + tanh(s @ w)/2), "map" (tanh(row @ w) per row),
                       "scan" (acc/2 + tanh(row @ w)), "map_dropout" (dropout
@@ -111,7 +113,7 @@ def _op_text(op, pool):
         return "concat_split(%s, %s, s=%d)" % (ref(op[1]), ref(op[2]), op[3])
     if kind == "reduce":
         return "%s - reduce_%s(%s, axis=%d)" % (ref(op[3]), op[1], ref(op[3]), op[2])
-    if kind in ("transpose", "reshape3", "dropout", "fracpool"):
+    if kind in ("transpose", "reshape3", "dropout", "fracpool", "inplace"):
         return "%s(%s)" % (kind, ref(op[1]))
     if kind == "embed":
         return "gather(%s, ids%d)" % ("fresh e" if op[1] is None else "e%d" % op[1], op[2])
@@ -204,7 +206,7 @@ def tensor_names(ops, losses=()):
 # Where each op kind keeps its back-offset operands.
 OPERANDS = {"matmul": (1,), "unary": (2,), "add": (1, 2), "mul": (1, 2), "rowadd": (1, 2),
             "bias": (1,), "concat_split": (1, 2), "reduce": (3,), "transpose": (1,),
-            "reshape3": (1,), "dropout": (1,), "fracpool": (1,), "embed": (), "loop": (2,), "cond": (1,),
+            "reshape3": (1,), "dropout": (1,), "fracpool": (1,), "inplace": (1,), "embed": (), "loop": (2,), "cond": (1,),
             "call": (1,), "custom": (2,), "pow": (2,), "conv": (1,)}
 # Where ops that name a variable keep its share index, and its prefix.
 SHARES = {"matmul": (2, "w"), "bias": (2, "b"), "embed": (1, "e"), "loop": (3, "w"),
@@ -245,7 +247,7 @@ def _raw_op(allow_dropout, weak_spots=False):
         st.tuples(st.just("embed"), _SHARE, st.integers(0, 3)),
     ]
     if allow_dropout:
-        kinds.append(st.tuples(st.sampled_from(["dropout", "fracpool"]), _OFFSET))
+        kinds.append(st.tuples(st.sampled_from(["dropout", "fracpool", "inplace"]), _OFFSET))
     plain = st.one_of(kinds)
     if not weak_spots:
         return plain
@@ -439,6 +441,11 @@ def build(tf, spec, variables):
                                                    [1.0, 1.0, 1.5, 1.0], pseudo_random=True)[0]
                 pooled = rec(inter[0], tf.reshape(pooled, [B, W * 2 // 3]))
                 out = tf.concat([pooled, a[:, :W // 3]], axis=1)
+            elif kind == "inplace":
+                a = at(op[1])
+                added = tf.raw_ops.InplaceAdd(x=tf.raw_ops.DeepCopy(x=a), i=[0, 2],
+                                              v=tf.fill([2, W], tf.constant(0.5, a.dtype)))
+                out = a * tf.stop_gradient(added)
             elif kind == "loop":
                 out = _loop(tf, op[1], at(op[2]), variables[new_var[0]])
             elif kind == "cond":
@@ -522,8 +529,8 @@ def build(tf, spec, variables):
 
 def without_xla_kernels(spec):
     """Whether the forward pass holds an op XLA cannot compile: tf.print in a
-    loop body, a fractional pool."""
-    return any((op[0] == "loop" and op[1] == "map_print") or op[0] == "fracpool"
+    loop body, a fractional pool, a DeepCopy."""
+    return any((op[0] == "loop" and op[1] == "map_print") or op[0] in ("fracpool", "inplace")
                for op in spec.ops)
 
 

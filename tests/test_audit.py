@@ -300,17 +300,26 @@ def test_segment_forgets_its_stops(monkeypatch):
     assert _session_worst(_shared_weight_case) > 1e-3
 
 
-def test_recomputed_fractional_pool(monkeypatch):
-    """A fractional pool with seed=0 picks new windows at every run: pinned,
-    and the audit refuses a plan that recomputes it."""
-    from tests.test_known_classes import RANDOM_WITHOUT_STATE  # pylint: disable=C0415
+@pytest.mark.parametrize("case, op_type", [
+    ("fractional_avg_pool", "FractionalAvgPool"),
+    ("unseeded_deterministic_max_pool", "FractionalMaxPool"),
+    ("glimpse_uniform", "ExtractGlimpseV2"),
+    ("input_written_in_place", "InplaceAdd")])
+def test_recomputed_op_that_differs_when_run_again(monkeypatch, case, op_type):
+    """Ops TensorFlow declares stateless that draw anew (a fractional pool with
+    seed=0, a glimpse's noise) or write their input in place: pinned, and the
+    audit refuses a plan that recomputes one."""
+    from tests import test_known_classes as known  # pylint: disable=C0415
     pinned = region.is_pinned
     monkeypatch.setattr(region, "is_pinned", lambda op, written=None: (
-        op.type not in ("FractionalMaxPool", "FractionalAvgPool") and pinned(op, written)))
-    case = RANDOM_WITHOUT_STATE["fractional_avg_pool"]
-    _caught(lambda: _in_session(case, "list", None), r"FractionalAvgPool.* is recomputed")
+        op.type != op_type and pinned(op, written)))
+    # A list keeps only what is above the pool or glimpse; 'memory' keeps the
+    # buffer InplaceAdd writes into.
+    case, strategy = ((known.INPUT_WRITTEN_IN_PLACE, "memory") if case == "input_written_in_place"
+                      else (known.RANDOM_WITHOUT_STATE[case], "list"))
+    _caught(lambda: _in_session(case, strategy, None), op_type + r".* is recomputed")
     _without_audit(monkeypatch)
-    assert _wrong_or_fails(lambda: _in_session(case, "list", None))
+    assert _wrong_or_fails(lambda: _in_session(case, strategy, None))
 
 
 def test_recomputed_tensor_left_feedable(monkeypatch):

@@ -37,8 +37,15 @@ offloading, against plain ``tf.gradients`` on the same graph:
   ``seed=0`` pick new pooling windows at every run, yet TensorFlow declares
   them stateless; a copy pooled over other windows than the forward op
   (0.13-0.79 of the largest entry off plain's, or FractionalMaxPoolGrad's
-  "tensor_out_dup is not the same as tensor_out"). They are pinned unless
-  their ``deterministic`` attribute is set (a nonzero seed sets it).
+  "tensor_out_dup is not the same as tensor_out"). With ``deterministic``
+  set but no seed (``tf.compat.v1``), the windows are drawn once per node,
+  and a copy is a new node. ``tf.image.extract_glimpse`` fills pixels
+  outside the image with new noise at every run (0.26-1.3 off). They are
+  pinned unless seeded, or with ``noise='zero'``.
+- *inputs written in place* (found by a helper trying to break memsave):
+  ``InplaceAdd`` (``inplace_ops.inplace_add``: a DeepCopy, then an add into
+  that copy's buffer) is declared stateless; a copy added into the kept
+  buffer a second time (0.25-0.62 off). Such ops are pinned.
 - *feeds* (found by a helper trying to break memsave): in a Session, a
   fed tensor's value reaches plain's gradients, but a copy computed it
   again from its inputs: a learned initial RNN state fed with the last
@@ -372,21 +379,64 @@ def _fractional_pool(pool, in_call):
     return _Case(_weights(13, (3, 4), (4, 4), (4, 4)), forward)
 
 
+def _unseeded(pool):
+    """``tf.compat.v1``'s pool with ``deterministic=True`` and no seed."""
+    return lambda t, ratio, pseudo_random: pool(t, ratio, pseudo_random=pseudo_random,
+                                                deterministic=True)
+
+
+def _glimpse(noise):
+    """Glimpses (float32 only; no gradient) partly outside the image, between einsums."""
+    def forward(ws):
+        w0, w1, w2 = ws
+        x = tf.constant(np.random.RandomState(15).randn(2, 4, 4, 3))
+        h = tf.tanh(tf.einsum("bhwc,cd->bhwd", x, w0))
+        g = tf.stop_gradient(tf.image.extract_glimpse(
+            tf.cast(tf.sin(h), tf.float32), [3, 3], [[0.9, 0.9], [-0.9, 0.5]], noise=noise))
+        q = tf.tanh(tf.einsum("bhwc,cd->bhwd", tf.cast(g, tf.float64), w1) + h[:, :3, :3])
+        return tf.reduce_sum(tf.tanh(tf.einsum("bhwc,cd->bhwd", q, w2)) ** 2), ws, [q]
+    return _Case(_weights(15, (3, 4), (4, 4), (4, 4)), forward)
+
+
 RANDOM_WITHOUT_STATE = {
     "%s%s" % (name, "_in_call" if in_call else ""): _fractional_pool(pool, in_call)
     for name, pool in (("fractional_max_pool", tf.nn.fractional_max_pool),
-                       ("fractional_avg_pool", tf.nn.fractional_avg_pool))
+                       ("fractional_avg_pool", tf.nn.fractional_avg_pool),
+                       ("unseeded_deterministic_max_pool",
+                        _unseeded(tf.compat.v1.nn.fractional_max_pool)))
     for in_call in (False, True)}
+RANDOM_WITHOUT_STATE.update(glimpse_uniform=_glimpse("uniform"),
+                            glimpse_gaussian=_glimpse("gaussian"))
+
+
+def _input_written_in_place(ws):
+    """``inplace_add`` on a copy of a recomputable tensor, read below the
+    listed checkpoint (InplaceAdd has no gradient: behind a stop). 'memory'
+    and 'speed' keep the copy the add writes into and recompute the add."""
+    w0, w1, w2 = ws
+    x = tf.constant(np.random.RandomState(16).randn(4, 8))
+    h = tf.tanh(x @ w0)
+    added = tf.raw_ops.InplaceAdd(x=tf.raw_ops.DeepCopy(x=h), i=[0, 2],
+                                  v=tf.fill([2, 8], tf.constant(0.5, tf.float64)))
+    q = tf.tanh(h @ w1) * tf.stop_gradient(added)
+    return tf.reduce_sum(tf.tanh(q @ w2) ** 2), ws, [q]
+
+
+INPUT_WRITTEN_IN_PLACE = _Case(_weights(16, (8, 8), (8, 8), (8, 8)), _input_written_in_place)
 
 
 def test_a_seeded_fractional_pool_is_still_recomputed():
-    """A nonzero seed makes the pool deterministic: it costs no pinned memory."""
+    """A nonzero seed makes the pool deterministic, and a glimpse without noise
+    is: they cost no pinned memory."""
     graph = tf.Graph()
     with graph.as_default():
         x = tf.constant(np.random.RandomState(14).randn(2, 8, 8, 3))
         seeded = tf.nn.fractional_avg_pool(tf.sin(x), [1.0, 1.5, 1.5, 1.0], seed=7)[0]
         unseeded = tf.nn.fractional_avg_pool(tf.sin(x), [1.0, 1.5, 1.5, 1.0])[0]
+        zero = tf.image.extract_glimpse(tf.cast(x, tf.float32), [3, 3], [[0.9, 0.9]] * 2,
+                                        noise="zero")
     assert not stateful.is_pinned(seeded.op)
+    assert not stateful.is_pinned(zero.op)
     assert stateful.is_pinned(unseeded.op)
 
 
@@ -545,6 +595,7 @@ MECHANISMS = {**{"kept_loop/" + k: v for k, v in KEPT_LOOPS.items()},
               **{"random_without_state/" + k: v for k, v in RANDOM_WITHOUT_STATE.items()},
               **{"users_gradient/" + k: v for k, v in USERS_GRADIENTS.items()},
               "call_feeding_a_kept_op": KEPT_CALLS,
+              "input_written_in_place": INPUT_WRITTEN_IN_PLACE,
               "gated_read_of_an_offloaded_checkpoint": POW_READS_OFFLOADED}
 
 

@@ -269,7 +269,7 @@ def _snapshot(graph, skip=()):
 def _count_kinds(spec, built, stats):
     stats["examples"] += 1
     kinds = {op[0] for op in spec.ops} | {op[1] for op in spec.ops if op[0] == "loop"}
-    for kind in ("dropout", "fracpool", "embed", "loop", "cond", "call", "custom", "pow", "conv",
+    for kind in ("dropout", "fracpool", "inplace", "embed", "loop", "cond", "call", "custom", "pow", "conv",
                  "map_dropout", "map_print", "scan", "while"):
         stats["with " + kind] += kind in kinds
     stats["with a later write"] += bool(spec.writes)

@@ -565,11 +565,11 @@ def _has_effects(op):
     (:mod:`memsave.graph.stateful`); when a write happens is derived here."""
     if op.type in stateful.FUNCTION_CALLS:
         return any(node is None or node.op in stateful.ALWAYS_PINNED
-                   or stateful.draws_at_each_run(node.op, node.attr)
+                   or stateful.differs_when_run_again(node.op, node.attr)
                    or (node.op not in stateful.RECOMPUTABLE_STATEFUL and _is_stateful(node.op))
                    for node in stateful.body_nodes(op))
-    if op.type in stateful.ALWAYS_PINNED or stateful.draws_at_each_run(op.type,
-                                                                        op.node_def.attr):
+    if op.type in stateful.ALWAYS_PINNED or stateful.differs_when_run_again(
+            op.type, op.node_def.attr):
         return True
     return op.type not in stateful.RECOMPUTABLE_STATEFUL and _is_stateful(op.type)
 

@@ -28,18 +28,39 @@ ALWAYS_PINNED = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 # A Session may feed it: its output is then the fed value, a copy's the default.
 FEEDABLE = "PlaceholderWithDefault"
 
-# Ops declared stateless that draw new random values at every run unless their
-# ``deterministic`` attribute is set: ``tf.nn.fractional_max_pool`` and
-# ``fractional_avg_pool`` with ``seed=0`` (the default) pick new pooling
-# windows each time, so a copy pools over other windows than the forward op.
-RANDOM_UNLESS_DETERMINISTIC = frozenset({"FractionalMaxPool", "FractionalAvgPool"})
+# Ops declared stateless that draw new random values, and when they do not
+# (``attrs``: the NodeDef's). A fractional pool picks new pooling windows at
+# every run unless ``deterministic`` is set, and then draws its windows once
+# per node unless a seed is given: a copy is a new node, so with ``seed=0``
+# (``tf.nn.fractional_max_pool``'s default) it pools over other windows than
+# the forward op. An extracted glimpse fills pixels outside the image with
+# new noise at every run unless ``noise`` is 'zero'.
+def _seeded_pool(attrs):
+    return ("deterministic" in attrs and attrs["deterministic"].b
+            and any(k in attrs and attrs[k].i for k in ("seed", "seed2")))
 
 
-def draws_at_each_run(op_type, attrs):
-    """Whether an op of ``op_type`` with NodeDef attributes ``attrs`` gives new
-    random values at every run although TensorFlow declares it stateless."""
-    return op_type in RANDOM_UNLESS_DETERMINISTIC and not (
-        "deterministic" in attrs and attrs["deterministic"].b)
+def _zero_noise(attrs):
+    return "noise" in attrs and attrs["noise"].s == b"zero"
+
+
+_RANDOM_UNLESS = {"FractionalMaxPool": _seeded_pool, "FractionalAvgPool": _seeded_pool,
+                  "ExtractGlimpse": _zero_noise, "ExtractGlimpseV2": _zero_noise}
+
+# Ops declared stateless that write their first input's buffer in place
+# (``tf.raw_ops.InplaceAdd``, behind ``inplace_ops.inplace_add``'s DeepCopy):
+# a copy would add into the kept buffer a second time.
+WRITE_THEIR_INPUT = frozenset({"InplaceAdd", "InplaceSub", "InplaceUpdate"})
+
+
+def differs_when_run_again(op_type, attrs):
+    """Whether an op of ``op_type`` with NodeDef attributes ``attrs`` may give
+    other values when run again or copied, although TensorFlow declares it
+    stateless: random without state, or a write to its input."""
+    if op_type in WRITE_THEIR_INPUT:
+        return True
+    deterministic = _RANDOM_UNLESS.get(op_type)
+    return deterministic is not None and not deterministic(attrs)
 
 # Ops whose function attributes hold bodies we inspect instead of the op flag.
 FUNCTION_CALLS = frozenset({
@@ -126,7 +147,7 @@ def body_nodes(op):
 
 def _body_is_pinned(graph, names):
     for node in function_nodes(graph, names):
-        if node is None or node.op in ALWAYS_PINNED or draws_at_each_run(node.op, node.attr):
+        if node is None or node.op in ALWAYS_PINNED or differs_when_run_again(node.op, node.attr):
             return True   # unknown body: be safe
         op_def = tf_internal.get_op_def(node.op)
         if op_def is not None and op_def.is_stateful and node.op not in RECOMPUTABLE_STATEFUL:
@@ -212,7 +233,7 @@ def is_pinned(op, written=None):
     ``written`` is :func:`written_handles`' map; a control-flow or call op
     reading a variable that a later op writes is pinned.
     """
-    if op.type in ALWAYS_PINNED or draws_at_each_run(op.type, op.node_def.attr):
+    if op.type in ALWAYS_PINNED or differs_when_run_again(op.type, op.node_def.attr):
         return True
     if op.type == FEEDABLE and not isinstance(op.graph, tf_internal.FuncGraph):
         return True
