@@ -520,19 +520,23 @@ class MeasuredStep:
     """A step that keeps the byte budget its plans were given (see the module docstring).
 
     ``build()`` returns a fresh traced step (a ``tf.function``); it is called
-    again for the one replan. ``state()`` returns the variables a call may
-    update (default: those the traced ``tf.function`` captures), and
+    again for the one replan. ``state()`` returns variables a call may
+    update beyond those the traced ``tf.function`` captures, and
     ``replay(args, kwargs)`` returns a function that gives the arguments of
     each run of one call, or None where the call cannot be run again (its
     batch is read inside the step): a call of a plan on trial that the
     allocator refuses is undone and run again on the plan the loop turns to.
+    ``compiled(step)`` returns the ``tf.function`` a step calls with its own
+    arguments (default: the step itself), whose trace names the variables
+    it captures.
     """
 
-    def __init__(self, build, where, state=None, replay=None):
+    def __init__(self, build, where, state=None, replay=None, compiled=None):
         self._build = build
         self.loop = Loop(where)
         self._step = build()
         self._state = state
+        self._compiled = compiled or (lambda step: step)
         self._replay = replay or same_arguments
         self._first = None    # the first plan's step, while a replan is on trial
         self._calls = 0
@@ -588,13 +592,20 @@ class MeasuredStep:
                 self._clear_left_behind(error)
 
     def _saved(self, args, kwargs):
-        """Host copies of what a call may update, or None if they cannot be found."""
-        variables = self._state() if self._state is not None else self._captured(args, kwargs)
-        return None if variables is None else _HostCopies(variables)
+        """Host copies of what a call may update, or None if they cannot be found:
+        those ``state()`` names (it may make some, as Keras' optimizer slots)
+        and every variable the traced step captures (a GAN's second optimizer,
+        a ``tf.random.Generator``), copied after the trace, which makes some
+        too (Keras' compiled metrics), at their initial values."""
+        state = self._state() if self._state is not None else None
+        captured = self._captured(args, kwargs)
+        if captured is None and state is None:
+            return None
+        return _HostCopies(list(captured or ()) + list(state or ()))
 
     def _captured(self, args, kwargs):
         """The variables the traced step captures (traced first, as its call would)."""
-        trace = getattr(self._step, "get_concrete_function", None)
+        trace = getattr(self._compiled(self._step), "get_concrete_function", None)
         if trace is None:
             return None
         with _Entered(self.loop):

@@ -135,8 +135,23 @@ def _make_train_function(model, make, settings):
         return inner
     model.train_function = budget.MeasuredStep(
         build, "memsave.keras(%s)" % model.name, state=lambda: _training_state(model),
-        replay=lambda args, kwargs: _replayed_batch(model, args, kwargs))
+        replay=lambda args, kwargs: _replayed_batch(model, args, kwargs),
+        compiled=_compiled_step)
     return model.train_function
+
+
+def _compiled_step(train_function):
+    """The ``tf.function`` Keras' train function calls with its iterator, or None.
+
+    Keras wraps it in a Python function; its trace names every variable the
+    step captures, beyond the model's, its optimizer's and its metrics': a
+    custom ``train_step``'s own optimizers (a GAN's), a layer's counter, a
+    ``tf.random.Generator``. Found among the wrapper's closure, where Keras
+    keeps it.
+    """
+    found = [cell.cell_contents for cell in (getattr(train_function, "__closure__", None) or ())
+             if isinstance(cell.cell_contents, tf.types.experimental.PolymorphicFunction)]
+    return found[0] if len(found) == 1 else None
 
 
 def _training_state(model):

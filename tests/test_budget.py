@@ -359,6 +359,90 @@ def test_keras_undoes_a_refused_call_and_trains_on_its_batch_again(monkeypatch):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-4, atol=1e-6)
 
 
+def _refuse_the_first_call(monkeypatch):
+    """The first call of a measured step runs, then the allocator refuses it
+    (as a full device would part way); returns the list of refused calls."""
+    calls = []
+    traced = budget.MeasuredStep._traced
+
+    def refused_once(self, *args, **kwargs):
+        out = traced(self, *args, **kwargs)
+        if not calls:
+            calls.append(out)
+            raise tf.errors.ResourceExhaustedError(
+                None, None, "OOM when allocating tensor with shape[256,64] and type float")
+        return out
+    monkeypatch.setattr(budget.MeasuredStep, "_traced", refused_once)
+    return calls
+
+
+def test_keras_undoes_a_refused_first_call_in_the_metrics_its_trace_made(monkeypatch):
+    """Keras makes its compiled metrics' variables in the first trace: a
+    refused first call is not counted in them."""
+    def one_epoch(model):
+        xent = keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent")
+        model.compile(optimizer="sgd", jit_compile=False, metrics=[xent], loss=(
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+        rng = np.random.RandomState(0)
+        x, y = rng.randn(1024, 64).astype("float32"), rng.randint(0, 4, 1024)
+        return model.fit(x, y, batch_size=256, epochs=1, verbose=0, shuffle=False).history
+    plain = one_epoch(_dense_model())
+    calls = _refuse_the_first_call(monkeypatch)
+    ours = one_epoch(memsave.keras.enable(_dense_model(), budget="3MiB"))
+    assert len(calls) == 1
+    assert ours["xent"] == pytest.approx(plain["xent"], rel=1e-5)
+    assert ours["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+
+
+class OwnOptimizer(keras.Model):
+    """A custom ``train_step`` that trains the last layer with an optimizer of
+    its own and counts its steps in a raw ``tf.Variable`` (Keras' GAN
+    layout): neither is among the model's, its optimizer's or its metrics'
+    variables."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _dense_model().layers
+        self.head_optimizer = keras.optimizers.Adam(0.01)
+        self.steps_seen = tf.Variable(0.0)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def call(self, x, training=False):
+        for layer in self.body:
+            x = layer(x, training=training)
+        return x
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(y, self(x, training=True))
+        weights = self.trainable_variables
+        grads = tape.gradient(loss, weights)
+        self.optimizer.apply(grads[:-2], weights[:-2])
+        self.head_optimizer.apply(grads[-2:], weights[-2:])
+        self.steps_seen.assign_add(1.0)
+        return {"loss": loss}
+
+
+def test_keras_undoes_what_a_custom_train_step_updates_beyond_the_models_variables(monkeypatch):
+    """Every variable the traced step captures is restored: the call refused
+    part way is not counted twice by the step's own optimizer or counter."""
+    def own(model):
+        model.compile(optimizer="adam", jit_compile=False)
+        model(np.zeros((1, 64), "float32"))
+        return model
+    plain = own(OwnOptimizer())
+    _fit(plain, batch_size=256)
+    calls = _refuse_the_first_call(monkeypatch)
+    model = memsave.keras.enable(own(OwnOptimizer()), budget="3MiB")
+    _fit(model, batch_size=256)
+    assert len(calls) == 1 and model.train_function.loop.refusals == 1
+    assert int(model.head_optimizer.iterations) == int(plain.head_optimizer.iterations) == 32
+    assert float(model.steps_seen) == float(plain.steps_seen) == 32
+    for ours, theirs in zip(model.variables, plain.variables):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-4, atol=1e-6)
+
+
 def test_a_fraction_is_no_promise_on_the_allocator():
     # 0.7 of plain's estimate: a plan fits it (the lowest is at 0.54).
     model = memsave.keras.enable(_dense_model(), budget=0.7)
