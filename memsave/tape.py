@@ -34,8 +34,9 @@ Cases that cannot be rewritten faithfully use the plain tape (and say so
 once at WARNING): eager execution, ``gradient()`` called inside the
 recording context of a persistent tape or while another tape records
 (higher-order gradients need the gradient ops on that tape, and memsave's
-recomputed ops are not recorded), composite tensors, and targets spread
-over several graphs. :class:`memsave.NoBottleneckError` from the 'memory'
+recomputed ops are not recorded), composite tensors, targets spread
+over several graphs, and ops built under ``gradient_override_map`` (the
+tape ignores the override, ``tf.gradients`` would apply it). :class:`memsave.NoBottleneckError` from the 'memory'
 strategy is raised, never papered over.
 
 ``memsave.patch(tape=True)`` and :func:`memsave.patching.scope` route every
@@ -373,6 +374,7 @@ def _stop_where_the_tape_did_not_record(tape, call):
     y_refs = {y.ref() for y in call.ys}
     call.connected = bool(starts) or any(x.ref() in y_refs for x in call.xs)
     between = forward_ops(starts, within=behind)
+    _check_gradients_by_type(between)
     inner, seen = [], {x.ref() for x in call.xs}
     for op in sorted(between, key=tf_internal.op_id):
         for t in op.inputs:
@@ -392,6 +394,21 @@ def _stop_where_the_tape_did_not_record(tape, call):
         logger.info("memsave: %d tensor(s) between sources and target were not recorded by "
                     "the tape; they are treated as constants, as the plain tape does: %s",
                     len(call.stops), ", ".join(t.name for t in call.stops[:8]))
+
+
+def _check_gradients_by_type(ops):
+    """Raise _Fallback where an op was built under ``gradient_override_map``:
+    the plain tape looks gradients up by op type and ignores the override,
+    which ``tf.gradients`` would apply. ``tf.custom_gradient``'s IdentityN
+    carries one too, and the tape applies the same function there (it
+    recorded it)."""
+    overridden = [op for op in ops if op.type != "IdentityN"
+                  and tf_internal.gradient_override_name(op) is not None]
+    if overridden:
+        raise _Fallback("gradient-override", (
+            "memsave: %s was built under gradient_override_map, which tf.GradientTape "
+            "ignores (tf.gradients applies it); the plain tf.GradientTape is used for "
+            "such calls, and no memory is saved" % overridden[0].name))
 
 
 def _rewritable_call(tape, target, sources, output_gradients):
@@ -454,11 +471,11 @@ def tape_gradient(tape, settings, target, sources, output_gradients=None,
     try:
         graph, flat_targets, flat_raw, flat_xs, flat_grads = _rewritable_call(
             tape, target, sources, output_gradients)
+        call = _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads)
     except _Fallback as why:
         warn_once("tape:" + why.key, why.message)
         return plain()
 
-    call = _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads)
     _check_routes(tape, call, flat_raw, flat_xs)
     grads = _differentiate(call, settings)
     flat_grad = []

@@ -316,6 +316,15 @@ def set_gradient_function(op, function):
     op._gradient_function = function  # pylint: disable=protected-access
 
 
+def gradient_override_name(op):
+    """The gradient ``graph.gradient_override_map`` gave ``op`` (the name it is
+    registered under), or None. ``tf.gradients`` honours it, the tape does not."""
+    try:
+        return op.get_attr("_gradient_op_type")
+    except ValueError:
+        return None
+
+
 def same_gradient_function(a, b):
     """Whether ops ``a`` and ``b`` carry the same gradient override (or none)."""
     return a._gradient_function is b._gradient_function  # pylint: disable=protected-access

@@ -350,6 +350,39 @@ def test_a_variable_target_in_tf_function_falls_back_saying_why(caplog, rewrites
     assert not rewrites
 
 
+@tf.RegisterGradient("memsave_test_clipped_tanh")
+def _clipped_tanh_gradient(op, grad):
+    return tf.clip_by_value(grad, -0.01, 0.01) * (1 - op.outputs[0] ** 2)
+
+
+def test_a_gradient_override_is_ignored_as_the_tape_ignores_it(caplog, rewrites):
+    """tf.GradientTape looks gradients up by op type; tf.gradients applies
+    gradient_override_map's: memsave's tape gives the tape's gradients."""
+    ws, x = _variables(6, seed=13, scale=0.6), _input()
+    reset_warnings()
+
+    def step(tape_type):
+        @tf.function
+        def f():
+            with tape_type() as tape:
+                h = chain(ws[:2], x)
+                with tf.compat.v1.get_default_graph().gradient_override_map(
+                        {"Tanh": "memsave_test_clipped_tanh"}):
+                    h = tf.tanh(h @ ws[2])
+                loss = tf.reduce_sum(chain(ws[3:], h) ** 2)
+            return tape.gradient(loss, ws), tf.gradients(loss, ws)
+        return f()
+
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        ours, _ = step(memsave.GradientTape)
+    plain, overridden = step(tf.GradientTape)
+    assert_same(plain, ours)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain, overridden)) > 1e-3
+    said = [r.getMessage() for r in caplog.records]
+    assert any("gradient_override_map" in m for m in said), said
+    assert not rewrites
+
+
 def test_no_bottleneck_raises():
     """Every activation is bypassed by a skip to the output: 'memory' cannot cut."""
     ws, x = _variables(6, seed=11), _input()
