@@ -265,7 +265,12 @@ def _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_k
     finally:
         _rewriting.depth -= 1
     audit.check(ledger, region, grads, tf_gradients_kwargs.get("stop_gradients") or [])
-    _check_none_pattern(region.ys, region.xs, grads, grad_ys, name, tf_gradients_kwargs)
+    connected = differentiably_connected(region.xs, region.ys,
+                                         tf_gradients_kwargs.get("stop_gradients") or [])
+    grads, zero_filled = _zeros_for_unused_outputs(region.ys, region.xs, grads, grad_ys, name,
+                                                   tf_gradients_kwargs, connected)
+    _check_none_pattern(region.ys, region.xs, grads, grad_ys, name, tf_gradients_kwargs,
+                        connected, zero_filled)
     tol = verify_module.tolerance(settings.verify, grads)
     if tol is not None:
         grads = verify_module.on_first_step(region, grad_ys, grads, tol,
@@ -298,22 +303,48 @@ def _under_xla(settings):
                      "compile without XLA to offload, or pass offload=None or 'auto'")
 
 
-def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs):
+def _zeros_for_unused_outputs(ys, xs, grads, grad_ys, name, kwargs, connected):
+    """``(grads, indices)``: ``grads`` with TensorFlow's zeros where it gives
+    them for an x that no y depends on, and the indices of those xs.
+
+    ``tf.gradients`` fills the outputs of an op it differentiates that no y
+    reads with zeros, and hands those back for such an output listed as an x
+    (a Split's unused half whose other half reaches the ys); memsave's
+    segments return None there. Whether TensorFlow differentiates that op
+    depends on every x, so where an unconnected x is one of several outputs
+    of its op, ``tf.gradients`` is asked for all xs (its ops are built, and
+    only the zeros taken from it run).
+    """
+    if kwargs.get("unconnected_gradients") == tf.UnconnectedGradients.ZERO:
+        return grads, set()
+    unused = [i for i, (x, g, c) in enumerate(zip(xs, grads, connected))
+              if g is None and not c and len(x.op.outputs) > 1]
+    if not unused:
+        return grads, set()
+    plain = plain_gradients(ys, xs, grad_ys, name=name + "_unused_outputs", **kwargs)
+    filled = {i for i in unused if plain[i] is not None}
+    return [plain[i] if i in filled else g for i, g in enumerate(grads)], filled
+
+
+def _check_none_pattern(ys, xs, grads, grad_ys, name, kwargs, connected, zero_filled=()):
     """Raise unless ``grads`` is None exactly where ``tf.gradients`` gives None.
 
     Reachability decides most cases for free. An x that reaches a y but got
     None may still be right (an op on the path, like Floor, has no
     gradient): only then is ``tf.gradients`` asked, for those xs alone (its
-    ops are built but never run).
+    ops are built but never run). ``connected``: each x's
+    :func:`differentiably_connected`; ``zero_filled`` indexes the xs that
+    TensorFlow's own zeros were taken for (see :func:`_zeros_for_unused_outputs`).
     """
     if kwargs.get("unconnected_gradients") == tf.UnconnectedGradients.ZERO:
         return
-    stops = kwargs.get("stop_gradients") or []
     extra, doubtful = [], []
-    for x, g, connected in zip(xs, grads, differentiably_connected(xs, ys, stops)):
-        if g is not None and not connected:
+    for i, (x, g, reaches) in enumerate(zip(xs, grads, connected)):
+        if i in zero_filled:
+            continue
+        if g is not None and not reaches:
             extra.append(x.name)
-        elif g is None and connected:
+        elif g is None and reaches:
             doubtful.append(x)
     lost = []
     if doubtful:

@@ -56,7 +56,7 @@ from tensorflow.autograph.experimental import do_not_convert
 from memsave import api
 from memsave import tf_internal
 from memsave.errors import GradientMismatchError, NoBottleneckError, TapeNoBottleneckError
-from memsave.graph.walk import backward_ops, forward_ops
+from memsave.graph.walk import backward_ops, differentiably_connected, forward_ops
 from memsave.log import logger, warn_once
 from memsave.settings import DEFAULT_CHECKPOINTS, resolve
 
@@ -441,11 +441,16 @@ def _differentiate(call, settings):
         return [None] * len(call.xs)
     kwargs = {"stop_gradients": call.stops} if call.stops else {}
     try:
-        return api.differentiate(call.ys, call.xs, call.grad_ys, settings, **kwargs)
+        grads = api.differentiate(call.ys, call.xs, call.grad_ys, settings, **kwargs)
     except NoBottleneckError as e:
         raise TapeNoBottleneckError(
             "%s (from GradientTape.gradient; pass checkpoints='optimal' to "
             "memsave.GradientTape, or to memsave.patch / memsave.keras.enable)" % e) from None
+    # tf.gradients gives zeros for an unused output of an op it differentiates
+    # (a Split's unused half) that is an x; the tape gives None for a source
+    # no target depends on.
+    return [g if connected else None for g, connected in
+            zip(grads, differentiably_connected(call.xs, call.ys, call.stops))]
 
 
 # Plain Python graph rewriting: autograph must not convert it inside tf.function.

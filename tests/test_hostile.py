@@ -688,3 +688,61 @@ def test_gradients_in_a_cond_branch_through_a_capture():
             a, b, c, d = sess.run([plain, ours, plain_hessian, our_hessian])
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-12 * np.abs(a).max())
     np.testing.assert_allclose(d, c, rtol=0, atol=1e-12 * np.abs(c).max())
+
+
+@pytest.mark.parametrize("checkpoints", ["memory", "speed", "optimal", "list"])
+def test_an_unused_output_of_a_differentiated_op_gets_tensorflows_zeros(checkpoints):
+    """An x that is one half of a Split whose other half reaches the loss: TF
+    differentiates the Split and gives zeros for the unused half, not None.
+    The tape gives None for it, and so does memsave's tape."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(2)
+        ws = [tf.Variable(rng.randn(6, 6) / 2.5) for _ in range(10)]
+        h, hs = tf.constant(rng.randn(4, 6)), []
+        for w in ws[:5]:
+            h = tf.tanh(h @ w)
+            hs.append(h)
+        used, unused = tf.split(h, 2, axis=1)
+        h = tf.concat([used, used], axis=1)
+        for w in ws[5:]:
+            h = tf.tanh(h @ w)
+            hs.append(h)
+        loss = tf.reduce_sum(h * h)
+        listed = [hs[2], hs[7]] if checkpoints == "list" else checkpoints
+        ours = memsave.gradients(loss, ws + [unused], checkpoints=listed,
+                                 min_checkpoint_size=0, fallback=False)
+        plain = tf.gradients(loss, ws + [unused])
+        assert plain[-1] is not None and ours[-1] is not None
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            _assert_equal_grads(sess, plain, ours)
+
+
+def test_an_unused_output_of_a_differentiated_op_is_none_for_the_tape():
+    """The tape gives None for a watched source no target depends on, where
+    tf.gradients gives zeros: so does memsave's tape."""
+    rng = np.random.RandomState(3)
+    ws = [tf.Variable(rng.randn(6, 6) / 2.5) for _ in range(10)]
+    x = tf.constant(rng.randn(4, 6))
+
+    def grads(tape_type, **options):
+        @tf.function
+        def step():
+            with tape_type(**options) as tape:
+                h = x
+                for w in ws[:5]:
+                    h = tf.tanh(h @ w)
+                used, unused = tf.split(h, 2, axis=1)
+                tape.watch(unused)
+                h = tf.concat([used, used], axis=1)
+                for w in ws[5:]:
+                    h = tf.tanh(h @ w)
+                loss = tf.reduce_sum(h * h)
+            return tape.gradient(loss, [unused] + ws)
+        return step()
+    plain = grads(tf.GradientTape)
+    ours = grads(memsave.GradientTape, checkpoints="memory", min_checkpoint_size=0)
+    assert plain[0] is None and ours[0] is None
+    for a, b in zip(plain[1:], ours[1:]):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=1e-12)
