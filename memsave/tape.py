@@ -36,8 +36,9 @@ recording context of a persistent tape or while another tape records
 (higher-order gradients need the gradient ops on that tape, and memsave's
 recomputed ops are not recorded), composite tensors, targets spread
 over several graphs, and ops built under ``gradient_override_map`` (the
-tape ignores the override, ``tf.gradients`` would apply it). :class:`memsave.NoBottleneckError` from the 'memory'
-strategy is raised, never papered over.
+tape ignores the override, ``tf.gradients`` would apply it).
+:class:`memsave.NoBottleneckError` from the 'memory' strategy is raised,
+never papered over.
 
 ``memsave.patch(tape=True)`` and :func:`memsave.patching.scope` route every
 plain ``tf.GradientTape`` through :func:`tape_gradient` as well; that
