@@ -319,7 +319,9 @@ def test_recomputed_op_that_differs_when_run_again(monkeypatch, case, op_type):
                       else (known.RANDOM_WITHOUT_STATE[case], "list"))
     _caught(lambda: _in_session(case, strategy, None), op_type + r".* is recomputed")
     _without_audit(monkeypatch)
-    assert _wrong_or_fails(lambda: _in_session(case, strategy, None))
+    # A pool with seed=0 draws its windows anew: a copy may draw the same ones
+    # by chance (small pools have few), so a few graphs are tried.
+    assert any(_wrong_or_fails(lambda: _in_session(case, strategy, None)) for _ in range(5))
 
 
 def test_recomputed_tensor_left_feedable(monkeypatch):
