@@ -564,12 +564,10 @@ def _has_effects(op):
     whose body holds one. Which ops are re-runnable is memsave's table
     (:mod:`memsave.graph.stateful`); when a write happens is derived here."""
     if op.type in stateful.FUNCTION_CALLS:
-        return any(node is None or node.op in stateful.ALWAYS_PINNED
-                   or stateful.differs_when_run_again(node.op, node.attr)
+        return any(node is None or stateful.never_run_twice(node.op, node.attr)
                    or (node.op not in stateful.RECOMPUTABLE_STATEFUL and _is_stateful(node.op))
                    for node in stateful.body_nodes(op))
-    if op.type in stateful.ALWAYS_PINNED or stateful.differs_when_run_again(
-            op.type, op.node_def.attr):
+    if stateful.never_run_twice(op.type, op.node_def.attr):
         return True
     return op.type not in stateful.RECOMPUTABLE_STATEFUL and _is_stateful(op.type)
 

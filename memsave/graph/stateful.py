@@ -53,11 +53,11 @@ _RANDOM_UNLESS = {"FractionalMaxPool": _seeded_pool, "FractionalAvgPool": _seede
 WRITE_THEIR_INPUT = frozenset({"InplaceAdd", "InplaceSub", "InplaceUpdate"})
 
 
-def differs_when_run_again(op_type, attrs):
-    """Whether an op of ``op_type`` with NodeDef attributes ``attrs`` may give
-    other values when run again or copied, although TensorFlow declares it
-    stateless: random without state, or a write to its input."""
-    if op_type in WRITE_THEIR_INPUT:
+def never_run_twice(op_type, attrs):
+    """Whether an op of ``op_type`` with NodeDef attributes ``attrs`` must not
+    run again or be copied, although TensorFlow declares it stateless: a
+    Python function, random without state, or a write to its input."""
+    if op_type in ALWAYS_PINNED or op_type in WRITE_THEIR_INPUT:
         return True
     deterministic = _RANDOM_UNLESS.get(op_type)
     return deterministic is not None and not deterministic(attrs)
@@ -147,7 +147,7 @@ def body_nodes(op):
 
 def _body_is_pinned(graph, names):
     for node in function_nodes(graph, names):
-        if node is None or node.op in ALWAYS_PINNED or differs_when_run_again(node.op, node.attr):
+        if node is None or never_run_twice(node.op, node.attr):
             return True   # unknown body: be safe
         op_def = tf_internal.get_op_def(node.op)
         if op_def is not None and op_def.is_stateful and node.op not in RECOMPUTABLE_STATEFUL:
@@ -233,7 +233,7 @@ def is_pinned(op, written=None):
     ``written`` is :func:`written_handles`' map; a control-flow or call op
     reading a variable that a later op writes is pinned.
     """
-    if op.type in ALWAYS_PINNED or differs_when_run_again(op.type, op.node_def.attr):
+    if never_run_twice(op.type, op.node_def.attr):
         return True
     if op.type == FEEDABLE and not isinstance(op.graph, tf_internal.FuncGraph):
         return True
