@@ -23,7 +23,11 @@ tensors it tracks:
 * tensors between sources and targets that the tape does not track (built
   outside the recording, or not watched when their consumer was recorded)
   are passed to ``memsave.gradients`` as ``stop_gradients``, i.e. treated
-  as constants, which is what the plain tape does with them.
+  as constants, which is what the plain tape does with them;
+* a tensor watched where this tape did not track it (made before it
+  began, under a tape around it, or in its ``stop_recording()``) is a leaf,
+  which the walk stops at; watching one it tracks changes nothing (see
+  :func:`note_watch`).
 
 Variables are differentiated through their handles. memsave keeps the
 forward pass's variable reads instead of re-reading in the backward pass, so
@@ -36,7 +40,9 @@ recording context of a persistent tape or while another tape records
 (higher-order gradients need the gradient ops on that tape, and memsave's
 recomputed ops are not recorded), composite tensors, targets spread
 over several graphs, and ops built under ``gradient_override_map`` (the
-tape ignores the override, ``tf.gradients`` would apply it).
+tape ignores the override, ``tf.gradients`` would apply it), and a
+watched tensor that two or more other tapes tracked, where the tape set
+cannot say whether it was a leaf for this one.
 :class:`memsave.NoBottleneckError` from the 'memory' strategy is raised,
 never papered over.
 
@@ -295,30 +301,68 @@ def _check_routes(tape, call, flat_raw, flat_xs):
                     % (op.name, raw.name))
 
 
-# Attribute of a tape (memsave's, or a plain one while tapes are routed)
-# listing the graph tensors it watched that no active tape tracked then.
+# Attributes of a tape (memsave's, or a plain one while tapes are routed):
+# the graph tensors it watched that it did not track then (leaves), and
+# those it watched where the tape set could not say (see _tracked_alone).
 _LEAVES = "_memsave_leaves"
+_UNSURE = "_memsave_unsure_leaves"
+
+
+def _tracked_alone(tape, t):
+    """Whether ``tape`` itself tracks the graph tensor ``t`` (True/False), or
+    None where the tape set cannot tell.
+
+    The C++ tape set answers for every active tape at once: another tape
+    recording around this one may track ``t`` where this one does not,
+    and this one may be off the set (in its ``stop_recording()``, after its
+    ``with`` block). Its count of tapes tracking ``t`` (0, 1, or 2 for more,
+    a persistent tape counting 2) is read without and with this tape: they
+    differ exactly when this tape tracks ``t``, unless the others already
+    count 2.
+    """
+    handle = tf_internal.tape_handle(tape)
+    active = tf_internal.tape_recording(tape)
+    if active:
+        tf_internal.pop_tape(handle)
+    try:
+        others = tf_internal.possible_gradient_types([t])
+        tf_internal.push_tape(handle)
+        try:
+            with_it = tf_internal.possible_gradient_types([t])
+        finally:
+            tf_internal.pop_tape(handle)
+    finally:
+        if active:
+            tf_internal.push_tape(handle)
+    if others >= 2:
+        return None
+    return with_it > others
 
 
 def note_watch(tape, tensor):
     """Remember which of the tensors ``tape`` is about to watch are leaves.
 
     The C++ tape records a watched tensor whose producer it never saw (made
-    under ``stop_recording()``, or outside the ``with`` block) as a leaf;
-    memsave walks the graph, so it must be told. Whether a tensor is
-    tracked can only be asked now, before the watch; when recording is
-    paused the answer is unknown and nothing is noted.
+    under ``stop_recording()``, outside the ``with`` block, or before this
+    tape began under a tape around it) as a leaf; memsave walks the graph,
+    so it must be told. Whether this tape tracks a tensor can only be asked
+    now, before the watch (see :func:`_tracked_alone`). While recording is
+    paused on the thread the watch does nothing, and nothing is noted.
     """
     if tf_internal.tape_set_is_stopped():
         return
     for t in tf.nest.flatten(tensor):
-        if (_is_graph_tensor(t) and _tape_trainable(t)
-                and not tf_internal.should_record_backprop([t])):
-            if not hasattr(tape, _LEAVES):
-                setattr(tape, _LEAVES, [])
-            leaves = getattr(tape, _LEAVES)
-            if not any(t is leaf for leaf in leaves):
-                leaves.append(t)
+        if not (_is_graph_tensor(t) and _tape_trainable(t)):
+            continue
+        tracked = _tracked_alone(tape, t)
+        if tracked:
+            continue
+        if not hasattr(tape, _LEAVES):
+            setattr(tape, _LEAVES, [])
+            setattr(tape, _UNSURE, [])
+        noted = getattr(tape, _LEAVES if tracked is False else _UNSURE)
+        if not any(t is leaf for leaf in noted):
+            noted.append(t)
 
 
 def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
@@ -385,9 +429,15 @@ def _stop_where_the_tape_did_not_record(tape, call):
             if _tape_trainable(t):
                 inner.append(t)
     call.stops = [t for t, ok in zip(inner, _tracked(tape, inner)) if not ok]
-    # A tensor watched when nothing recorded it is a leaf for the tape: its
-    # producer was not recorded, so backprop stops there (a stop that is a
-    # source still gets its own gradient).
+    # A tensor watched when the tape did not track it is a leaf for the tape:
+    # its producer was not recorded, so backprop stops there (a stop that is
+    # a source still gets its own gradient).
+    unsure = [t for t in getattr(tape, _UNSURE, ()) if t.op in between]
+    if unsure:
+        raise _Fallback("watch-unsure", (
+            "memsave: %s was watched while two or more other tapes tracked it, so memsave "
+            "cannot tell whether it is a leaf for this tape; the plain tf.GradientTape is "
+            "used for this call" % unsure[0].name))
     stopped = {t.ref() for t in call.stops}
     call.stops += [t for t in getattr(tape, _LEAVES, ())
                    if t.op in between and t.ref() not in stopped]

@@ -191,6 +191,9 @@ _SYMBOLS_TABLE = (
     # tracked); no public API.
     ("push_tape", "tensorflow.python.eager.tape.push_tape"),
     ("pop_tape", "tensorflow.python.eager.tape.pop_tape"),
+    # How many tapes (and forward accumulators) track these tensors: 0, 1, or 2
+    # for two or more (a persistent tape counts as 2). Only in the C API.
+    ("possible_gradient_types", "tensorflow.python.pywrap_tfe.TFE_Py_TapeSetPossibleGradientTypes"),
     # Is the tape stack paused (inside a stop_recording block)? Only in the C API.
     ("tape_set_is_stopped", "tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsStopped"),
     # What GradientTape.gradient does with composite output_gradients; no public API.
