@@ -593,8 +593,8 @@ def _recomputed_values_may_differ(ledger, region):
             ref = stateful.ref_variable(h)
             if ref is not None:     # a TF1 reference variable, written in place
                 h, writers = ref, stateful.ref_writers(ref)
-            elif h.dtype != tf.resource:
-                continue
+            elif h.dtype != tf.resource or original.type in stateful.FORWARDS_HANDLE:
+                continue   # an identity of a handle forwards it, reading nothing
             elif not by_creation and original.type in stateful.FUNCTION_CALLS:
                 out.append("%s (%s) reads %s in its body and is recomputed, in a graph "
                            "run by a Session: an update made after the gradients (an "
@@ -602,7 +602,7 @@ def _recomputed_values_may_differ(ledger, region):
                            % (original.name, original.type, h.name))
                 continue
             else:
-                writers = [w for w in h.consumers() if _has_effects(w)]
+                writers = [w for w in stateful.handle_users(h) if _has_effects(w)]
             for writer in writers:
                 if writer in ledger.copy_of or writer is original:
                     continue

@@ -19,8 +19,13 @@ RECOMPUTABLE_STATEFUL = frozenset({
     "VarIsInitializedOp", "Assert",
 })
 
-# Top-level reads of a variable: never recomputed (see is_pinned).
-VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+# Top-level reads of a variable (its value, its shape): never recomputed (see
+# is_pinned). A variable made with an unknown shape may be assigned a value of
+# another shape in the step, and a VariableShape run again then reads the new
+# shape (a Session's update raced with the recomputation: gradients 0.74 of
+# the largest entry off plain's in 22 of 30 runs).
+VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                            "VariableShape", "VarIsInitializedOp"})
 
 # Ops declared stateless that still must not run twice.
 ALWAYS_PINNED = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
@@ -69,7 +74,38 @@ FUNCTION_CALLS = frozenset({
 })
 
 # Non-writing consumers of a resource handle.
-_HANDLE_READERS = VARIABLE_READS | {"VariableShape", "VarIsInitializedOp"}
+_HANDLE_READERS = VARIABLE_READS
+
+# Ops whose output is their input's resource handle, unchanged (output i is
+# input i): a read or a write through one reaches the same variable.
+FORWARDS_HANDLE = frozenset({"Identity", "IdentityN"})
+
+
+def handle_root(t):
+    """The resource handle ``t`` is, through the identities that forward it
+    (``tf.identity(v.handle)`` is ``v.handle``)."""
+    while (t.dtype.name == "resource" and t.op.type in FORWARDS_HANDLE
+           and len(t.op.inputs) > t.value_index):
+        t = t.op.inputs[t.value_index]
+    return t
+
+
+def handle_users(t):
+    """The ops that use the variable whose handle ``t`` is, through ``t``'s root
+    or any identity of it (the identities themselves left out)."""
+    users, stack, seen = [], [handle_root(t)], set()
+    while stack:
+        h = stack.pop()
+        if h.ref() in seen:
+            continue
+        seen.add(h.ref())
+        for c in h.consumers():
+            if c.type in FORWARDS_HANDLE:
+                stack.extend(out for i, out in enumerate(c.outputs)
+                             if i < len(c.inputs) and c.inputs[i] is h)
+            else:
+                users.append(c)
+    return users
 
 # Non-writing consumers of a TF1 reference variable (``use_resource=False``).
 _REF_READERS = frozenset({"Identity", "IsVariableInitialized"})
@@ -183,13 +219,14 @@ def written_handles(graph, region_ops):
                     writers.setdefault(consumer, []).append(t.ref())
             if t.dtype.name != "resource":
                 continue
+            root = handle_root(t).ref()   # a write through an identity writes the root's
             for consumer in t.consumers():
-                if consumer.type in _HANDLE_READERS:
+                if consumer.type in _HANDLE_READERS or consumer.type in FORWARDS_HANDLE:
                     continue
                 if consumer.type in FUNCTION_CALLS and not _body_is_pinned(
                         graph, _function_names(consumer.node_def.attr)):
                     continue  # a body with only recomputable ops just reads
-                writers.setdefault(consumer, []).append(t.ref())
+                writers.setdefault(consumer, []).append(root)
     if not writers:
         return written
     if _orders_by_creation(graph):
@@ -218,7 +255,7 @@ def _read_by_calls(region_ops):
     handle such an op reads counts as written later, and the op is pinned.
     (A top-level variable read is always pinned, see :func:`is_pinned`.)
     """
-    return {t.ref(): float("inf") for op in region_ops if op.type in FUNCTION_CALLS
+    return {handle_root(t).ref(): float("inf") for op in region_ops if op.type in FUNCTION_CALLS
             for t in op.inputs if t.dtype.name == "resource"}
 
 
@@ -253,8 +290,9 @@ def is_pinned(op, written=None):
     if functions.has_bodies(op) and not functions.copyable(op):
         return True
     if op.type in FUNCTION_CALLS:
+        # A handle reaches a call as itself or through identities of it.
         if any(t.dtype.name == "resource"
-               and written.get(t.ref(), -1) > tf_internal.op_id(op)
+               and written.get(handle_root(t).ref(), -1) > tf_internal.op_id(op)
                for t in op.inputs):
             return True
         return _body_is_pinned(op.graph, _function_names(op.node_def.attr))
