@@ -63,9 +63,12 @@ def aggregate(grads):
         return grads[0]
     if all(isinstance(g, tf.IndexedSlices) for g in grads):
         shape = next((g.dense_shape for g in grads if g.dense_shape is not None), None)
+        indices = [g.indices for g in grads]
+        if len({i.dtype for i in indices}) > 1:
+            # Gathers with int32 and int64 ids: as TensorFlow sums them, in int64.
+            indices = [tf.cast(i, tf.int64) for i in indices]
         return tf.IndexedSlices(
-            tf.concat([g.values for g in grads], axis=0),
-            tf.concat([g.indices for g in grads], axis=0), shape)
+            tf.concat([g.values for g in grads], axis=0), tf.concat(indices, axis=0), shape)
     return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 

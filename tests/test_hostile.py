@@ -752,3 +752,21 @@ def test_an_unused_output_of_a_differentiated_op_is_none_for_the_tape():
     assert plain[0] is None and ours[0] is None
     for a, b in zip(plain[1:], ours[1:]):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "speed", "memory", "list"])
+def test_one_variable_gathered_with_int32_and_int64_ids(strategy):
+    """tf.gather with int32 ids and with tf.argmax's int64 ones: the sparse
+    partials are summed in int64, as TensorFlow sums them (memsave's concat of
+    the ids raised a TypeError, found by a helper)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        table = tf.Variable(np.random.RandomState(0).randn(6, 4))
+        h = tf.tanh(tf.gather(table, tf.constant([1, 3, 1], tf.int32)))
+        looked_up = tf.gather(table, tf.argmax(h, 1))
+        loss = tf.reduce_sum(tf.tanh(h * looked_up) ** 2)
+        plain = tf.gradients(loss, [table])
+        ours = memsave.gradients(loss, [table], fallback=False, min_checkpoint_size=0,
+                                 checkpoints=[h] if strategy == "list" else strategy)
+        assert isinstance(ours[0], tf.IndexedSlices) and ours[0].indices.dtype == tf.int64
+    _run_equal(graph, plain, ours)
