@@ -770,3 +770,40 @@ def test_one_variable_gathered_with_int32_and_int64_ids(strategy):
                                  checkpoints=[h] if strategy == "list" else strategy)
         assert isinstance(ours[0], tf.IndexedSlices) and ours[0].indices.dtype == tf.int64
     _run_equal(graph, plain, ours)
+
+
+_LOOPS_OVER_ROWS = {
+    "map_fn": lambda h, v: tf.map_fn(lambda r: tf.tanh(r) * 2.0, h),
+    "scan": lambda h, v: tf.scan(lambda a, r: tf.tanh(a + r), h),
+    "foldl": lambda h, v: tf.foldl(lambda a, r: tf.tanh(a + r), h) + h,
+    # Kept in place: the body reads v, which the step writes before the gradients.
+    "map_fn_reading_a_written_variable": lambda h, v: tf.map_fn(lambda r: tf.tanh(r * v), h),
+}
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "speed", "list"])
+@pytest.mark.parametrize("loop", sorted(_LOOPS_OVER_ROWS))
+def test_a_loop_over_an_unknown_batch(loop, strategy):
+    """map_fn/scan/foldl over a batch of unknown size: while_v2 sizes the
+    loop's TensorLists from its shape, which carries no gradient, so
+    tf.gradients sends none there; memsave's audit took them for paths
+    (an IndexError, then GradientMismatchError, where plain works; found
+    by a helper)."""
+    rng = np.random.RandomState(0)
+    w = tf.Variable(rng.randn(4, 4) * 0.5)
+    v = tf.Variable(np.full(4, 0.7))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float64)])
+    def step(x):
+        below = tf.tanh(x @ w)
+        h = _LOOPS_OVER_ROWS[loop](below, v)
+        loss = tf.reduce_sum(tf.tanh(h @ w) ** 2)
+        if loop.endswith("written_variable"):
+            with tf.control_dependencies([loss]):
+                v.assign(v * 5.0)
+        checkpoints = [below] if strategy == "list" else strategy
+        return tf.gradients(loss, [w]), memsave.gradients(
+            loss, [w], checkpoints=checkpoints, fallback=False, min_checkpoint_size=0)
+
+    plain, ours = step(tf.constant(rng.randn(3, 4)))
+    np.testing.assert_allclose(ours[0], plain[0], rtol=0, atol=1e-12 * np.abs(plain[0]).max())

@@ -234,6 +234,18 @@ class _Flow:
                     active.add(t.op)
                     heapq.heappush(heap, (-tf_internal.op_id(t.op), t.op))
 
+    def leads_to_an_x(self, op, i):
+        """Whether a gradient sent along ``op``'s input ``i`` can reach an x: the
+        input is one, or is downstream of one along tensors that carry a
+        gradient. A segment asks for the gradient of every checkpoint it
+        reads, also one computed only from shapes (a cast of a variable's
+        size, the zeros of a first-order gradient): it stops there, as
+        nothing carries it on."""
+        if i >= len(op.inputs):
+            return True   # an input TensorFlow added to another image of the op
+        t = op.inputs[i]
+        return t.ref() in self.xs or self.reached(t.op)
+
     def reached(self, op):
         """Whether ``op`` is downstream of an x's op (TensorFlow's 'reached'),
         through ops made before ``limit``: walked up from ``op``, remembered.
@@ -256,7 +268,11 @@ class _Flow:
                 memo[cur] = True
                 stack.pop()
                 continue
-            parents = [t.op for t in cur.inputs if tf_internal.op_id(t.op) < self.limit]
+            # As tf.gradients marks ops reached: along tensors that carry a
+            # gradient (not a shape: while_v2's accumulators of a loop over
+            # an unknown batch take their element shape from one).
+            parents = [t.op for t in cur.inputs if tf_internal.op_id(t.op) < self.limit
+                       and carries_gradient(t)]
             if cur not in entered:
                 entered.add(cur)
                 todo = [p for p in parents if p not in memo and p not in entered]
@@ -279,6 +295,8 @@ def _has_gradient(op):
 # The checks.
 
 def _edge_name(op, i):
+    if i >= len(op.inputs):   # an input TensorFlow added to another image of the op
+        return "input %d of %s (it has %d)" % (i, op.name, len(op.inputs))
     return "%s -> %s (input %d)" % (op.inputs[i].name, op.name, i)
 
 
@@ -369,7 +387,7 @@ def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
                             % (_edge_name(op, i), call.index) for i in sorted(live_in[op] - sent))
             problems.extend("gradient flows along %s, where tf.gradients sends none (segment %d)"
                             % (_edge_name(op, i), call.index)
-                            for i in sorted(sent - live_in[op]))
+                            for i in sorted(sent - live_in[op]) if plain.leads_to_an_x(op, i))
         problems.extend("the gradient reaching %s in segment %d goes no further"
                         % (op.name, call.index) for call, _, _ in stuck.get(op, ()))
         problems.extend(_compare(expected(op.outputs), got, op.name))
