@@ -807,3 +807,24 @@ def test_a_loop_over_an_unknown_batch(loop, strategy):
 
     plain, ours = step(tf.constant(rng.randn(3, 4)))
     np.testing.assert_allclose(ours[0], plain[0], rtol=0, atol=1e-12 * np.abs(plain[0]).max())
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "speed", "list"])
+@pytest.mark.parametrize("lookup", ["embedding_lookup", "gather"])
+def test_a_lookup_of_a_frozen_table_with_ids_computed_from_an_x(lookup, strategy):
+    """Ids from an argmax (integers) into a table that is no x: tf.gradients
+    sends no gradient to the lookup, which memsave's audit expected (it
+    raised GradientMismatchError where plain works; found by a helper)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        table, w = tf.Variable(rng.randn(6, 4)), tf.Variable(rng.randn(4, 4))
+        h = tf.tanh(tf.constant(rng.randn(3, 4)) @ w)
+        ids = tf.argmax(h, 1)
+        looked_up = (tf.nn.embedding_lookup(table, ids) if lookup == "embedding_lookup"
+                     else tf.gather(table, ids))
+        loss = tf.reduce_sum(tf.tanh(h + looked_up) ** 2)
+        plain = tf.gradients(loss, [w])
+        ours = memsave.gradients(loss, [w], fallback=False, min_checkpoint_size=0,
+                                 checkpoints=[h] if strategy == "list" else strategy)
+    _run_equal(graph, plain, ours)
