@@ -230,3 +230,32 @@ def test_roofline_prices_each_kernel_by_its_dot_flops_or_its_bytes():
     assert xla_gpu.shape_bytes("(s32[], f32[64,32]{1,0}, bf16[8])") == 4 + 4 * 64 * 32 + 16
     with_convolution = _HLO + '// custom_call_target="__cudnn$convForward"'
     assert xla_gpu.roofline_seconds(_Compiled(with_convolution)) is None
+
+
+def test_budget_sweep_lands_budgets_on_measured_plans():
+    """benchmarks.budget_sweep: a budget's closest plan is the largest measured at or
+    below it, and 'a plan within 10%' means one in [0.9, 1] of the budget."""
+    from benchmarks import budget_sweep   # pylint: disable=import-outside-toplevel
+    result = {"plain_mib": 100.0, "plans": [
+        {"measured_mib": m, "estimated_mib": m, "recompute": 0.1} for m in (31.0, 44.0, 52.0, 68.0)]}
+    at_half = budget_sweep.landing(result, 0.5)
+    assert at_half["best"]["measured_mib"] == 44.0 and not at_half["exists"]
+    at_seven = budget_sweep.landing(result, 0.7)
+    assert at_seven["best"]["measured_mib"] == 68.0 and at_seven["exists"]
+    assert not at_seven["in_kept_band"]   # 97%: past the 95% a budget loop keeps plans within
+    assert budget_sweep.landing(result, 0.55)["in_kept_band"]   # 52 of 55: 94.5%
+    below = budget_sweep.landing(result, 0.3)
+    assert below["best"] is None and not below["exists"] and below["lowest_mib"] == 31.0
+    assert budget_sweep._targets(0.2, 0.3, 0.05) == [0.2, 0.25, 0.3]   # pylint: disable=W0212
+
+
+@pytest.mark.slow   # about a minute: a small keras-hub GPT2, a plan per distinct kept set
+def test_budget_sweep_benchmark_quick(tmp_path):
+    stdout = _run(["benchmarks.budget_sweep", "--quick", "--models", "GPT2", "--step", "0.1",
+                   "--budgets", "0.7"], tmp_path)
+    data = json.loads((tmp_path / "budget_sweep_quick.json").read_text())
+    (result,) = data["results"]
+    assert result["plain_mib"] > 0 and len(result["plans"]) >= 3
+    for plan in result["plans"]:
+        assert plan["measured_mib"] > 0 and plan["estimated_mib"] > 0 and plan["targets"]
+    assert "| GPT2 | %d | 0.7 × plain |" % len(result["plans"]) in stdout
