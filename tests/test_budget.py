@@ -100,10 +100,15 @@ def test_the_lowest_plan_is_taken_where_it_would_still_fit_the_budget():
     loop = budget.Loop("test")
     loop.trace.smallest, loop.trace.promise = 95, 100
     assert loop.takes_lowest()            # before a measurement: on the estimate
-    loop.first = (100, 110)               # measured 10% (and 10 bytes) above its estimate
-    assert not loop.takes_lowest()        # 95 would measure 105
-    loop.trace.promise = 105
-    assert loop.takes_lowest() and loop.trace.lowest
+    loop.first = (100, 140)               # measured 40% (and 40 bytes) above its estimate
+    assert not loop.takes_lowest()        # 95 would measure 133 at least, over 1.15 x 100
+    loop.trace.promise = 116
+    assert loop.takes_lowest() and loop.trace.lowest   # tried: the error need not carry over
+    # The lowest plan was the one measured: its figure is known, not a reading.
+    loop.first_was_lowest, loop.trace.promise = True, 105
+    assert not loop.takes_lowest()
+    loop.trace.promise = 133
+    assert loop.takes_lowest()
     # A first plan far above its estimate (ConvNeXtTiny: 282.5 -> 484.6 MiB):
     # the offset reading says the lowest (200.3) would measure 402, the ratio
     # 344; under a 359 MiB budget it is tried, and its replan measured.
