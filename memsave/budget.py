@@ -62,7 +62,8 @@ the pre-step baseline), kept by a loop around the training step:
    a measurement of more than the budget (the call's peak so far, at least
    the budget; an estimate above that bound is not trusted) and turns to
    the plan it asks for (a replan, the first plan, the lowest plan), and
-   the same call runs on it. Where none is left, a
+   the same call runs on it (a refused first plan's function is let go
+   first: the loop never goes back to it). Where none is left, a
    :class:`~memsave.BudgetError` with the variables restored. A per-step
    temporary variable that TensorFlow left behind after the refused call
    (which fails every later step that makes one of its name) is freed by
@@ -84,6 +85,7 @@ the budget is kept on the estimate only, and a warning says so.
 
 import collections.abc
 import dataclasses
+import gc
 import logging
 import re
 import threading
@@ -699,7 +701,17 @@ class MeasuredStep:
             self._unfit = error
             raise
         if action == REPLAN:
-            self._first, self._step = self._step, self._build()
+            if refused and self._first is None:
+                # The loop never goes back to a first plan the allocator
+                # refused: its function goes before the replan's is built,
+                # with what its kernels hold (TensorFlow's constant folding
+                # of the next function crashed the process where an
+                # allocation it needed failed: DeBERTaV3 under a hard cap).
+                self._step = None
+                gc.collect()
+            else:
+                self._first = self._step
+            self._step = self._build()
             self._calls = 0
         elif action == FIRST:
             self._step = self._first

@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import weakref
 
 import keras
 import numpy as np
@@ -650,6 +651,31 @@ def _plain_trained():
     for _ in range(TRAINING_STEPS):
         step()
     return np.concatenate([w.numpy().ravel() for w in ws])
+
+
+def test_a_refused_first_plan_is_let_go_before_the_replan_is_built():
+    """The loop never goes back to a first plan the allocator refused, so its
+    function (and what its kernels hold) goes before the replan's is built:
+    under a hard cap, TensorFlow's constant folding of DeBERTaV3's replan
+    crashed the process where an allocation it needed failed (found by a
+    helper)."""
+    made = []
+
+    def build():
+        function = tf.function(lambda: tf.ones([4]) * 2.0)
+        made.append(weakref.ref(function))
+        return function
+    step = budget.MeasuredStep(build, "test")
+    step.loop.trace.promise, step.loop.trace.estimates = 100, [60]
+    step._observe(120, refused=True)   # pylint: disable=protected-access
+    assert len(made) == 2 and made[0]() is None
+    assert step._first is None         # pylint: disable=protected-access
+    # A first plan measured over the budget, not refused, stays to go back to.
+    made.clear()
+    step = budget.MeasuredStep(build, "test")
+    step.loop.trace.promise, step.loop.trace.estimates = 100, [60]
+    step._observe(120)   # pylint: disable=protected-access
+    assert made[0]() is step._first is not None   # pylint: disable=protected-access
 
 
 @pytest.mark.heavy   # two processes under a hard limit
