@@ -19,11 +19,12 @@ RECOMPUTABLE_STATEFUL = frozenset({
     "VarIsInitializedOp", "Assert",
 })
 
-# Top-level reads of a variable (its value, its shape): never recomputed (see
-# is_pinned). A variable made with an unknown shape may be assigned a value of
-# another shape in the step, and a VariableShape run again then reads the new
-# shape (a Session's update raced with the recomputation: gradients 0.74 of
-# the largest entry off plain's in 22 of 30 runs).
+# Top-level reads of a variable (its value, its shape), the non-writing
+# consumers of its handle: never recomputed (see is_pinned). A variable made
+# with an unknown shape may be assigned a value of another shape in the step,
+# and a VariableShape run again then reads the new shape (a Session's update
+# raced with the recomputation: gradients 0.74 of the largest entry off
+# plain's in 22 of 30 runs).
 VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                             "VariableShape", "VarIsInitializedOp"})
 
@@ -72,9 +73,6 @@ FUNCTION_CALLS = frozenset({
     "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall",
 })
-
-# Non-writing consumers of a resource handle.
-_HANDLE_READERS = VARIABLE_READS
 
 # Ops whose output is their input's resource handle, unchanged (output i is
 # input i): a read or a write through one reaches the same variable.
@@ -221,7 +219,7 @@ def written_handles(graph, region_ops):
                 continue
             root = handle_root(t).ref()   # a write through an identity writes the root's
             for consumer in t.consumers():
-                if consumer.type in _HANDLE_READERS or consumer.type in FORWARDS_HANDLE:
+                if consumer.type in VARIABLE_READS or consumer.type in FORWARDS_HANDLE:
                     continue
                 if consumer.type in FUNCTION_CALLS and not _body_is_pinned(
                         graph, _function_names(consumer.node_def.attr)):
