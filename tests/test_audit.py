@@ -164,35 +164,42 @@ def test_control_flow_copied_without_its_bodies(monkeypatch):
     _caught(run.get_concrete_function, "has no _body_graph")
 
 
-def test_recomputed_read_after_a_write(monkeypatch):
-    """In a tf.function, a cond reading a variable that the step writes after
-    it must be kept: its recomputation would read the new value."""
-    monkeypatch.setattr(region, "written_handles", lambda graph, ops: {})
-    from tests.test_updates_in_step import _write_after_read_step  # pylint: disable=import-outside-toplevel
+def _read_after_write_caught_then_wrong(monkeypatch, kind, match):
+    """The step ``kind`` of :func:`_write_after_read_step`, its read recomputed
+    after the step's write of v: the audit raises ``match``; without it, the
+    gradients are off plain's."""
+    from tests.test_updates_in_step import _write_after_read_step  # pylint: disable=C0415
     rng = np.random.RandomState(0)
     v = tf.Variable(np.full([64], 0.3, np.float32))
     w = tf.Variable((rng.randn(64, 64) / 8).astype(np.float32))
 
     def run(grad_fn):
         v.assign(np.full([64], 0.3, np.float32))
-        step = tf.function(lambda: _write_after_read_step("cond", grad_fn, v, w))
+        step = tf.function(lambda: _write_after_read_step(kind, grad_fn, v, w))
         return [t.numpy() for t in step()]
 
     def ours(loss, xs, below):
         return memsave.gradients(loss, xs, checkpoints=[below], min_checkpoint_size=0)
 
-    _caught(lambda: run(ours), r"cond.* is recomputed after .* may have written")
+    _caught(lambda: run(ours), match)
     _without_audit(monkeypatch)
     plain = run(lambda loss, xs, below: tf.gradients(loss, xs))
     got = run(ours)
     assert max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(plain, got)) > 1e-3
 
 
+def test_recomputed_read_after_a_write(monkeypatch):
+    """In a tf.function, a cond reading a variable that the step writes after
+    it must be kept: its recomputation would read the new value."""
+    monkeypatch.setattr(region, "written_handles", lambda graph, ops: {})
+    _read_after_write_caught_then_wrong(monkeypatch, "cond",
+                                        r"cond.* is recomputed after .* may have written")
+
+
 def test_recomputed_call_reading_a_variable_through_an_identity(monkeypatch):
     """A call given ``tf.identity(v.handle)`` reads v: recomputed after the
     step's write of v, it read the new value (found by a helper)."""
     from memsave.graph import stateful   # pylint: disable=import-outside-toplevel
-    from tests.test_updates_in_step import _write_after_read_step  # pylint: disable=C0415
     pinned = region.is_pinned
 
     def through_identities_unseen(op, written=None):
@@ -201,24 +208,8 @@ def test_recomputed_call_reading_a_variable_through_an_identity(monkeypatch):
             return False
         return pinned(op, written)
     monkeypatch.setattr(region, "is_pinned", through_identities_unseen)
-    rng = np.random.RandomState(0)
-    v = tf.Variable(np.full([64], 0.3, np.float32))
-    w = tf.Variable((rng.randn(64, 64) / 8).astype(np.float32))
-
-    def run(grad_fn):
-        v.assign(np.full([64], 0.3, np.float32))
-        step = tf.function(lambda: _write_after_read_step("call_through_an_identity", grad_fn,
-                                                          v, w))
-        return [t.numpy() for t in step()]
-
-    def ours(loss, xs, below):
-        return memsave.gradients(loss, xs, checkpoints=[below], min_checkpoint_size=0)
-
-    _caught(lambda: run(ours), r"is recomputed after .*AssignAdd.* may have written")
-    _without_audit(monkeypatch)
-    plain = run(lambda loss, xs, below: tf.gradients(loss, xs))
-    got = run(ours)
-    assert max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(plain, got)) > 1e-3
+    _read_after_write_caught_then_wrong(monkeypatch, "call_through_an_identity",
+                                        r"is recomputed after .*AssignAdd.* may have written")
 
 
 def test_recomputed_call_reading_a_variable_in_a_session(monkeypatch):
