@@ -89,22 +89,24 @@ def test_speed_recomputes_nothing_twice():
 
 def test_recompute_cap_holds_on_the_copies_made():
     """Under max_recompute, the copies the step runs (those its gradients need,
-    through data and control inputs) cost at most the cap, counting each copy."""
+    through data and control inputs) cost at most the cap, counting each copy.
+    (Under a cap of 0.07 the plan here recomputes nothing: none under it is
+    estimated lower than the one that keeps every candidate.)"""
     chain = builders.tanh_chain(n=6, batch=64, width=64, residual=True)
     box = {}
 
     def capped(graph):
-        plan = optimal_module.optimal(graph, max_recompute=0.07)
+        plan = optimal_module.optimal(graph, max_recompute=0.2)
         box.update(graph=graph, plan=plan, step=step_work(graph))
         return plan.checkpoints
 
     with chain.graph.as_default():
         grads = memsave.gradients(chain.loss, chain.ws, checkpoints=capped)
     graph, plan = box["graph"], box["plan"]
-    assert 0 < plan.recompute_fraction <= 0.07 + 1e-9, plan.summary()
+    assert 0 < plan.recompute_fraction <= 0.2 + 1e-9, plan.summary()
     cost = {n.split(":")[0]: d["cost"] for n, d in graph.nodes(data=True)}
     ran = sum(cost[n] * c for n, c in _copies_that_run(grads).items())
-    assert 0 < ran <= 0.07 * box["step"] * 1.001, (ran, box["step"])
+    assert 0 < ran <= 0.2 * box["step"] * 1.001, (ran, box["step"])
     _run(chain, capped)
 
 

@@ -477,6 +477,7 @@ class _Backward:
         self.saved = self.in_flight = self.sums = self.swapped = 0
         self.buffers = set()   # its recomputed buffers that backprop reads
         self.flight, self.left, self.pending = {}, collections.Counter(), collections.Counter()
+        self.sent = self.left   # the pieces the current segment sends per x
 
     def release(self, k):
         """Kept node ``k`` is read no more: its buffer goes with its last holder."""
@@ -517,6 +518,7 @@ class _Backward:
             if pieces[n]:
                 for root, _ in pieces[n]:
                     left[root] += 1
+        self.sent = collections.Counter(left)
         self.pending = collections.Counter()
         self.swapped = swap_bwd
         backward_op = self._backward_op
@@ -579,6 +581,16 @@ class _Backward:
         for root, nbytes in self.p.pieces[n]:
             self.left[root] -= 1
             if self.left[root] == 0 and self.pending[root]:
+                if self.sent[root] == 1 and root not in self.totals:
+                    # One piece and no running sum yet: that piece is the
+                    # x's gradient, as TensorFlow takes a single gradient
+                    # without an AddN and the rewrite's first partial is its
+                    # sum (a stack of 2048x2048 Dense layers, plain backprop:
+                    # 80.1 MiB estimated with a sum buffer here, 64.2
+                    # measured, 64.1 without).
+                    self.pending.pop(root)
+                    self.totals.add(root)
+                    continue
                 # The segment's sum (and the new running sum) appear while
                 # the pieces are still alive.
                 self.peak = max(self.peak, base + self.held + nbytes)
