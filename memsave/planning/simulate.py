@@ -477,7 +477,7 @@ class _Backward:
         self.saved = self.in_flight = self.sums = self.swapped = 0
         self.buffers = set()   # its recomputed buffers that backprop reads
         self.flight, self.left, self.pending = {}, collections.Counter(), collections.Counter()
-        self.sent = self.left   # the pieces the current segment sends per x
+        self.sent = collections.Counter()   # the pieces the current segment sends per x
 
     def release(self, k):
         """Kept node ``k`` is read no more: its buffer goes with its last holder."""
