@@ -372,16 +372,18 @@ def test_recomputed_tensor_left_feedable(monkeypatch):
     assert _wrong_or_fails(run)
 
 
-def test_recomputed_read_of_a_reference_variable_written_in_place(monkeypatch):
-    """A TF1 variable's read shares its buffer: an op reading it, recomputed
-    after an assign_add of the same run, saw the new value."""
+@pytest.mark.parametrize("read", ["read", "identity", "reshape"])
+def test_recomputed_read_of_a_reference_variable_written_in_place(monkeypatch, read):
+    """A TF1 variable's read shares its buffer, and so do an identity and a
+    reshape of it: an op reading one, recomputed after an assign_add of the
+    same run, saw the new value."""
     from tests.test_known_classes import written_in_place  # pylint: disable=C0415
     found = region.written_handles
     monkeypatch.setattr(region, "written_handles", lambda graph, ops: {
         k: v for k, v in found(graph, ops).items() if k.deref().dtype.name != "float64_ref"})
 
     def run():
-        graph, loss, ws = written_in_place()
+        graph, loss, ws = written_in_place(read)
         with graph.as_default():
             ours = memsave.gradients(loss, ws, checkpoints="speed")
             plain = tf.gradients(loss, ws)

@@ -9,7 +9,7 @@ costs memory, never correctness.
 """
 
 from memsave import tf_internal
-from memsave.graph import functions
+from memsave.graph import functions, optable
 from memsave.graph.walk import forward_ops
 
 # Stateful ops that are safe to run again within the same step (inside a
@@ -116,14 +116,20 @@ def _is_ref(t):
 
 def ref_variable(t):
     """The TF1 reference variable (its ref tensor) whose buffer ``t`` is, or None:
-    the ref itself, or its snapshot read (an Identity forwards the buffer, so
-    an in-place assign made later changes what a copy reading it sees)."""
-    if _is_ref(t):
-        return t
-    op = t.op
-    if op.type == "Identity" and op.inputs and _is_ref(op.inputs[0]):
-        return op.inputs[0]
-    return None
+    the ref itself, its snapshot read (an Identity forwards the buffer, so an
+    in-place assign made later changes what a copy reading it sees), or any
+    tensor TensorFlow forwards that read to (``tf.identity(v)``, a reshape
+    of it: see :func:`memsave.graph.optable.forwarded_input`)."""
+    while not _is_ref(t):
+        op = t.op
+        position = optable.FORWARDS_INPUT.get(op.type, -1)
+        position = t.value_index if position is None else position
+        if 0 <= position < len(op.inputs) and _is_ref(op.inputs[position]):
+            return op.inputs[position]
+        t = optable.forwarded_input(op, t.value_index)
+        if t is None:
+            return None
+    return t
 
 
 def ref_writers(ref):
