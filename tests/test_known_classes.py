@@ -489,8 +489,11 @@ def test_a_recomputed_tensor_cannot_be_fed():
 # ---------------------------------------------------------------- reference variables written in place
 
 # How the forward pass reads the variable: each forwards its buffer.
+# (An assign returns the variable's ref.)
 REF_READS = {"read": lambda s: s, "identity": tf.identity,
-             "reshape": lambda s: tf.reshape(tf.identity(s), [1, 16])}
+             "reshape": lambda s: tf.reshape(tf.identity(s), [1, 16]),
+             "assign": lambda s: tf.identity(tf.compat.v1.assign(
+                 s, tf.fill([16], tf.constant(0.3, tf.float64))))}
 
 
 def written_in_place(read="read"):
@@ -517,9 +520,10 @@ def written_in_place(read="read"):
 @pytest.mark.parametrize("read", sorted(REF_READS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_reference_variable_written_in_place_is_not_read_again(strategy, read):
-    """Also where the read goes on through an identity or a reshape (found by
-    a helper: ``tf.identity(v)`` after an assign, 1.03 of the largest entry
-    off plain's), which forward the variable's buffer too."""
+    """Also where the read goes on through an identity or a reshape, or reads
+    the ref an assign returns (found by a helper: ``tf.identity(v)`` after
+    an assign, 1.03 of the largest entry off plain's), which all share the
+    variable's buffer."""
     graph, loss, ws = written_in_place(read)
     with graph.as_default():
         ours = _ours(loss, ws, [loss.op.inputs[0]], strategy, None)   # 'list': the top

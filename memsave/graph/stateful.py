@@ -115,26 +115,49 @@ def _is_ref(t):
 
 
 def ref_variable(t):
-    """The TF1 reference variable (its ref tensor) whose buffer ``t`` is, or None:
-    the ref itself, its snapshot read (an Identity forwards the buffer, so an
-    in-place assign made later changes what a copy reading it sees), or any
-    tensor TensorFlow forwards that read to (``tf.identity(v)``, a reshape
-    of it: see :func:`memsave.graph.optable.forwarded_input`)."""
+    """The TF1 reference variable (its variable op's ref tensor) whose buffer
+    ``t`` is, or None: a ref (the variable's, or one an assign returns), its
+    snapshot read (an Identity forwards the buffer, so an in-place assign
+    made later changes what a copy reading it sees), or any tensor
+    TensorFlow forwards that read to (``tf.identity(v)``, a reshape of it:
+    see :func:`memsave.graph.optable.forwarded_input`)."""
     while not _is_ref(t):
         op = t.op
         position = optable.FORWARDS_INPUT.get(op.type, -1)
         position = t.value_index if position is None else position
         if 0 <= position < len(op.inputs) and _is_ref(op.inputs[position]):
-            return op.inputs[position]
+            return _ref_root(op.inputs[position])
         t = optable.forwarded_input(op, t.value_index)
         if t is None:
             return None
-    return t
+    return _ref_root(t)
+
+
+def _ref_root(ref):
+    """The variable op's ref tensor behind ``ref``: an op with a ref output
+    (``Assign``, ``ScatterAdd``) returns the ref of its first input."""
+    while ref.op.inputs and _is_ref(ref.op.inputs[0]):
+        ref = ref.op.inputs[0]
+    return ref
 
 
 def ref_writers(ref):
-    """The consumers of a reference variable's ref tensor that may write it."""
-    return [c for c in ref.consumers() if c.type not in _REF_READERS]
+    """The ops that may write the reference variable whose ref tensor ``ref``
+    is: the consumers of it, or of a ref an op returns for it (an assign's),
+    other than its reads."""
+    writers, stack, seen = [], [ref], set()
+    while stack:
+        r = stack.pop()
+        if r.ref() in seen:
+            continue
+        seen.add(r.ref())
+        for c in r.consumers():
+            if c.type in _REF_READERS:
+                continue
+            writers.append(c)
+            if c.inputs and c.inputs[0] is r:
+                stack.extend(out for out in c.outputs if _is_ref(out))
+    return list(dict.fromkeys(writers))
 
 
 def _function_names(node_attrs):
@@ -218,7 +241,7 @@ def written_handles(graph, region_ops):
     writers = {}
     for op in graph.get_operations():
         for t in op.outputs:
-            if _is_ref(t):
+            if _is_ref(t) and not (op.inputs and _is_ref(op.inputs[0])):   # a variable's
                 for consumer in ref_writers(t):
                     writers.setdefault(consumer, []).append(t.ref())
             if t.dtype.name != "resource":
