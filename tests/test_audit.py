@@ -372,11 +372,12 @@ def test_recomputed_tensor_left_feedable(monkeypatch):
     assert _wrong_or_fails(run)
 
 
-@pytest.mark.parametrize("read", ["read", "identity", "reshape", "assign"])
+@pytest.mark.parametrize("read", ["read", "identity", "reshape", "slice", "assign"])
 def test_recomputed_read_of_a_reference_variable_written_in_place(monkeypatch, read):
-    """A TF1 variable's read shares its buffer, and so do an identity and a
-    reshape of it and the ref an assign returns: an op reading one, recomputed after an assign_add of the
-    same run, saw the new value."""
+    """A TF1 variable's read shares its buffer, and so may an identity, a
+    reshape or a full slice of it and the ref an assign returns: an op
+    reading one, recomputed after an assign_add of the same run, saw the
+    new value."""
     from tests.test_known_classes import written_in_place  # pylint: disable=C0415
     found = region.written_handles
     monkeypatch.setattr(region, "written_handles", lambda graph, ops: {

@@ -56,7 +56,9 @@ offloading, against plain ``tf.gradients`` on the same graph:
   break memsave): a TF1 variable (``use_resource=False``) read by an op,
   then updated by an ``assign_add`` in the same run. The read (an Identity)
   shares the variable's buffer, so a copy of the op saw the new value: 0.36
-  of the largest entry off plain's. Such an op is never recomputed.
+  of the largest entry off plain's. So may what TensorFlow hands that
+  buffer on to (``tf.identity``, a reshape, a full slice, a tile by ones,
+  the ref an assign returns: 1.03). Such an op is never recomputed.
 - *users' gradients* (found by a helper trying to break memsave): an op
   recomputed in several segments is differentiated in each, on part of its
   output gradient, and the parts' results are summed. A
@@ -488,10 +490,12 @@ def test_a_recomputed_tensor_cannot_be_fed():
 
 # ---------------------------------------------------------------- reference variables written in place
 
-# How the forward pass reads the variable: each forwards its buffer.
-# (An assign returns the variable's ref.)
+# How the forward pass reads the variable: each may hand on its buffer (a
+# full slice and a tile by ones do, when they run; an assign returns the
+# variable's ref).
 REF_READS = {"read": lambda s: s, "identity": tf.identity,
              "reshape": lambda s: tf.reshape(tf.identity(s), [1, 16]),
+             "slice": lambda s: s[0:16], "tile": lambda s: tf.tile(s, [1]),
              "assign": lambda s: tf.identity(tf.compat.v1.assign(
                  s, tf.fill([16], tf.constant(0.3, tf.float64))))}
 
@@ -520,10 +524,10 @@ def written_in_place(read="read"):
 @pytest.mark.parametrize("read", sorted(REF_READS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_reference_variable_written_in_place_is_not_read_again(strategy, read):
-    """Also where the read goes on through an identity or a reshape, or reads
-    the ref an assign returns (found by a helper: ``tf.identity(v)`` after
-    an assign, 1.03 of the largest entry off plain's), which all share the
-    variable's buffer."""
+    """Also where the read goes on through an identity, a reshape, a full
+    slice or a tile by ones, or reads the ref an assign returns (found by
+    helpers: ``tf.identity(v)`` after an assign, 1.03 of the largest entry
+    off plain's; a full slice, 1.03), which all share the variable's buffer."""
     graph, loss, ws = written_in_place(read)
     with graph.as_default():
         ours = _ours(loss, ws, [loss.op.inputs[0]], strategy, None)   # 'list': the top

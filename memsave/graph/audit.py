@@ -607,20 +607,21 @@ def _recomputed_values_may_differ(ledger, region):
                 ledger.graph, tf_internal.FuncGraph):
             out.append("%s (%s) is recomputed, but a Session may feed it: the copy would "
                        "not see the fed value" % (original.name, original.type))
+        # A TF1 reference variable, written in place, is read through any
+        # input that may share its buffer.
+        reads = [(ref, stateful.ref_writers(ref)) for h in original.inputs
+                 for ref in stateful.ref_variables(h)]
         for h in original.inputs:
-            ref = stateful.ref_variable(h)
-            if ref is not None:     # a TF1 reference variable, written in place
-                h, writers = ref, stateful.ref_writers(ref)
-            elif h.dtype != tf.resource or original.type in stateful.FORWARDS_HANDLE:
+            if h.dtype != tf.resource or original.type in stateful.FORWARDS_HANDLE:
                 continue   # an identity of a handle forwards it, reading nothing
-            elif not by_creation and original.type in stateful.FUNCTION_CALLS:
+            if not by_creation and original.type in stateful.FUNCTION_CALLS:
                 out.append("%s (%s) reads %s in its body and is recomputed, in a graph "
                            "run by a Session: an update made after the gradients (an "
                            "optimizer's, in the same run) may write it first"
                            % (original.name, original.type, h.name))
                 continue
-            else:
-                writers = [w for w in stateful.handle_users(h) if _has_effects(w)]
+            reads.append((h, [w for w in stateful.handle_users(h) if _has_effects(w)]))
+        for h, writers in reads:
             for writer in writers:
                 if writer in ledger.copy_of or writer is original:
                     continue

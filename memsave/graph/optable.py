@@ -84,6 +84,23 @@ def forwarded_input(op, output_index):
     return source if same else None
 
 
+# Ops whose output may be an input's buffer, always (FORWARDS_INPUT) or where
+# they change nothing, which TensorFlow's kernels check at run time: a full
+# or outer-axis slice, an identity permutation, a tile by ones, a broadcast
+# or a cast to the same shape or type, zero padding, a single addend or
+# concatenated tensor, a reduction over no axes, a check of the values.
+# What an op reading a TF1 reference variable's buffer may see change (see
+# memsave.graph.stateful.ref_variables); not a guarantee for memory.
+MAY_SHARE_INPUT = frozenset(FORWARDS_INPUT) | frozenset({
+    "Snapshot", "CheckNumerics", "CheckNumericsV2", "DebugIdentity", "DebugIdentityV2",
+    "DebugIdentityV3", "Bitcast", "Cast", "BroadcastTo", "Tile", "Transpose",
+    "ConjugateTranspose", "Slice", "StridedSlice", "Split", "SplitV", "Unpack", "Pad",
+    "PadV2", "MirrorPad", "ConcatV2", "Concat", "AddN", "Sum", "Mean", "Max", "Min", "Prod",
+    "All", "Any", "EuclideanNorm", "ReverseV2", "Roll", "Enter", "RefEnter", "Exit",
+    "RefExit", "Switch", "RefSwitch", "Merge", "RefMerge", "NextIteration",
+    "RefNextIteration",
+})
+
 # Ops that only read their input's metadata: they never keep it alive.
 METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 

@@ -114,23 +114,27 @@ def _is_ref(t):
     return t.dtype != t.dtype.base_dtype
 
 
-def ref_variable(t):
-    """The TF1 reference variable (its variable op's ref tensor) whose buffer
-    ``t`` is, or None: a ref (the variable's, or one an assign returns), its
-    snapshot read (an Identity forwards the buffer, so an in-place assign
-    made later changes what a copy reading it sees), or any tensor
-    TensorFlow forwards that read to (``tf.identity(v)``, a reshape of it:
-    see :func:`memsave.graph.optable.forwarded_input`)."""
-    while not _is_ref(t):
-        op = t.op
-        position = optable.FORWARDS_INPUT.get(op.type, -1)
-        position = t.value_index if position is None else position
-        if 0 <= position < len(op.inputs) and _is_ref(op.inputs[position]):
-            return _ref_root(op.inputs[position])
-        t = optable.forwarded_input(op, t.value_index)
-        if t is None:
-            return None
-    return _ref_root(t)
+def ref_variables(t):
+    """The TF1 reference variables (their variable ops' ref tensors) whose
+    buffer ``t`` may be, in the order found: a ref (the variable's, or one
+    an assign returns) is its variable's; its snapshot read (an Identity)
+    forwards the buffer, so an in-place assign made later changes what a
+    copy reading it sees; and so may any op that can hand an input's buffer
+    on (``tf.identity(v)``, a reshape, a full slice: see
+    :data:`memsave.graph.optable.MAY_SHARE_INPUT`)."""
+    found, stack, seen = [], [t], set()
+    while stack:
+        t = stack.pop()
+        if t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        if _is_ref(t):
+            root = _ref_root(t)
+            if all(root is not f for f in found):
+                found.append(root)
+        elif t.op.type in optable.MAY_SHARE_INPUT:
+            stack.extend(reversed(t.op.inputs))
+    return found
 
 
 def _ref_root(ref):
@@ -220,7 +224,7 @@ def _body_is_pinned(graph, names):
 
 def written_handles(graph, region_ops):
     """``{handle ref: order}`` for resource handles (and TF1 reference
-    variables' ref tensors, see :func:`ref_variable`) a later op may write.
+    variables' ref tensors, see :func:`ref_variables`) a later op may write.
 
     ``order`` is the creation id of the latest writer, or infinity for a
     writer that runs after ``region_ops``; a reader created before it may
@@ -302,8 +306,8 @@ def is_pinned(op, written=None):
     if op.type == FEEDABLE and not isinstance(op.graph, tf_internal.FuncGraph):
         return True
     written = written or {}
-    if any(r is not None and written.get(r.ref(), -1) > tf_internal.op_id(op)
-           for r in map(ref_variable, op.inputs)):
+    if any(written.get(r.ref(), -1) > tf_internal.op_id(op)
+           for t in op.inputs for r in ref_variables(t)):
         # A TF1 reference variable written later in place: a copy reading it
         # would see the new value.
         return True
