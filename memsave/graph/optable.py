@@ -98,7 +98,14 @@ MAY_SHARE_INPUT = frozenset(FORWARDS_INPUT) | frozenset({
     "PadV2", "MirrorPad", "ConcatV2", "Concat", "AddN", "Sum", "Mean", "Max", "Min", "Prod",
     "All", "Any", "EuclideanNorm", "ReverseV2", "Roll", "Enter", "RefEnter", "Exit",
     "RefExit", "Switch", "RefSwitch", "Merge", "RefMerge", "NextIteration",
-    "RefNextIteration",
+    "RefNextIteration", "Print", "PrintV2", "PlaceholderWithDefault", "GuaranteeConst",
+    "MatrixBandPart", "Einsum", "SpaceToBatchND", "BatchToSpaceND", "Pack",
+    # A call or a loop may return an input unchanged.
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall",
+    # Grappler makes these an Identity where a constant input makes them one
+    # (pow(x, 1), a select on a constant condition).
+    "Pow", "Select", "SelectV2",
 })
 
 # Ops that only read their input's metadata: they never keep it alive.
