@@ -114,22 +114,27 @@ def _is_ref(t):
     return t.dtype != t.dtype.base_dtype
 
 
-def written_in_place(t):
-    """Whether an op declared stateless writes the buffer ``t`` may be
-    (:data:`WRITE_THEIR_INPUT`, e.g. ``InplaceUpdate`` on a kept matmul
-    output), found back through what may hand a buffer on: a copy reading
-    it after that write would see the new values."""
+def _buffer_sources(t):
+    """``t`` and every tensor whose buffer ``t`` may be, found back through
+    what may hand a buffer on (:data:`memsave.graph.optable.MAY_SHARE_INPUT`);
+    a ref ends the walk (its variable owns the buffer)."""
     stack, seen = [t], set()
     while stack:
         t = stack.pop()
         if t.ref() in seen:
             continue
         seen.add(t.ref())
-        if any(c.type in WRITE_THEIR_INPUT and c.inputs[0] is t for c in t.consumers()):
-            return True
-        if t.op.type in optable.MAY_SHARE_INPUT:
-            stack.extend(t.op.inputs)
-    return False
+        yield t
+        if not _is_ref(t) and t.op.type in optable.MAY_SHARE_INPUT:
+            stack.extend(reversed(t.op.inputs))
+
+
+def written_in_place(t):
+    """Whether an op declared stateless writes the buffer ``t`` may be
+    (:data:`WRITE_THEIR_INPUT`, e.g. ``InplaceUpdate`` on a kept matmul
+    output): a copy reading it after that write would see the new values."""
+    return any(c.type in WRITE_THEIR_INPUT and c.inputs[0] is s
+               for s in _buffer_sources(t) for c in s.consumers())
 
 
 def ref_variables(t):
@@ -139,19 +144,13 @@ def ref_variables(t):
     forwards the buffer, so an in-place assign made later changes what a
     copy reading it sees; and so may any op that can hand an input's buffer
     on (``tf.identity(v)``, a reshape, a full slice: see
-    :data:`memsave.graph.optable.MAY_SHARE_INPUT`)."""
-    found, stack, seen = [], [t], set()
-    while stack:
-        t = stack.pop()
-        if t.ref() in seen:
-            continue
-        seen.add(t.ref())
-        if _is_ref(t):
-            root = _ref_root(t)
+    :func:`_buffer_sources`)."""
+    found = []
+    for s in _buffer_sources(t):
+        if _is_ref(s):
+            root = _ref_root(s)
             if all(root is not f for f in found):
                 found.append(root)
-        elif t.op.type in optable.MAY_SHARE_INPUT:
-            stack.extend(reversed(t.op.inputs))
     return found
 
 
