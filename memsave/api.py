@@ -14,7 +14,7 @@ from memsave.graph import audit, graph_tensor, reaches_xs_through_captures
 from memsave.graph.region import analyze
 from memsave.graph.walk import differentiably_connected
 from memsave.planner import plan_region
-from memsave.rewrite import SwapConfig, plain_gradients, rewrite
+from memsave.rewrite import SwapConfig, non_finite_throughout, plain_gradients, rewrite
 from memsave.settings import resolve
 
 logger = logging.getLogger("memsave")
@@ -275,7 +275,8 @@ def _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_k
     if tol is not None:
         grads = verify_module.on_first_step(region, grad_ys, grads, tol,
                                             tf_gradients_kwargs, name)
-    return grads
+    with graph.as_default():
+        return [non_finite_throughout(g) for g in grads]
 
 
 def compiled_by_xla(xla, graph):

@@ -72,20 +72,28 @@ def aggregate(grads):
     return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
-def rows_summed(grad):
-    """``grad`` (IndexedSlices) with one row per index, duplicates summed.
+def non_finite_throughout(grad):
+    """``grad``, unchanged unless it is IndexedSlices with a non-finite entry:
+    then every entry is NaN.
 
-    A gather differentiated in several segments gives one sparse partial per
-    segment, concatenated, so each index shows up once per segment where
-    TensorFlow's one differentiation gives it once per lookup. Keras'
-    LossScaleOptimizer checks IndexedSlices for inf/NaN without summing
-    duplicate rows: with mixed_float16 it took an overflowing step that a
-    finite later row of the same index hid, and the embedding became NaN.
-    Summed rows are what such checks assume.
+    Keras' LossScaleOptimizer checks IndexedSlices for inf/NaN by densifying
+    ``is_finite`` of their rows, which ORs the rows of one index: a finite
+    duplicate row hides an overflowed one. Recomputed in segments, a half-
+    precision sum that overflows in plain backprop upstream (where dense
+    gradients see it too) may overflow in memsave's sum across segments and
+    reach only the sparse rows: an embedding model under mixed_float16 took
+    such a step and its weights became NaN (2 of 12 seeds; plain's 0). A
+    step whose gradient is not finite is skipped however its rows are
+    checked; a finite gradient is returned as it is.
     """
-    unique, position = tf.unique(grad.indices)
-    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(unique)[0])
-    return tf.IndexedSlices(values, unique, grad.dense_shape)
+    if not isinstance(grad, tf.IndexedSlices) or not grad.values.dtype.is_floating:
+        return grad
+    values = grad.values
+    with tf.device(values.device):
+        finite = tf.reduce_all(tf.math.is_finite(values))
+        nan = tf.constant(float("nan"), values.dtype)
+        values = tf.where(finite, values, tf.fill(tf.shape(values), nan))
+    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
 
 
 class _Accumulator:
@@ -100,7 +108,6 @@ class _Accumulator:
     def __init__(self):
         self._sums = {}
         self._changed = {}
-        self._partials = {}
 
     def add(self, t, grad):
         """Add a partial gradient to ``t``'s running sum."""
@@ -108,14 +115,6 @@ class _Accumulator:
             return
         self._sums[t.ref()] = aggregate([self._sums.get(t.ref()), grad])
         self._changed[t.ref()] = True
-        self._partials[t.ref()] = self._partials.get(t.ref(), 0) + 1
-
-    def result(self, t):
-        """The final sum for ``t``; sparse partials summed per row (see :func:`rows_summed`)."""
-        g = self.total(t)
-        if isinstance(g, tf.IndexedSlices) and self._partials.get(t.ref(), 0) > 1:
-            g = rows_summed(g)
-        return g
 
     def fence_changed(self):
         """Fence the sums changed since the last call (see :func:`fence`); return them."""
@@ -130,11 +129,11 @@ class _Accumulator:
         return self._sums.get(t.ref())
 
 
-def differentiated_once(region, checkpoints, compiled=False):
+def differentiated_once(region, checkpoints):
     """``checkpoints``, and the outputs of each op that runs a user's gradient
-    (see :func:`functions.runs_users_gradient`) which several segments
-    would differentiate; with ``compiled`` (XLA compiles the step), of each
-    gather too (:data:`optable.SPARSE_GRADIENT`).
+    (see :func:`functions.runs_users_gradient`) or is a gather
+    (:data:`optable.SPARSE_GRADIENT`) which several segments would
+    differentiate.
 
     An op recomputed in several segments is differentiated in each, with
     the part of its output gradient that segment's readers send, and the
@@ -145,16 +144,21 @@ def differentiated_once(region, checkpoints, compiled=False):
     its own segment, with its outputs' whole running sums. Keeping a tensor
     can only split segments, so this repeats until nothing changes.
 
-    A gather's parts are IndexedSlices, whose rows :func:`rows_summed`
-    sums with ``tf.unique``; XLA runs that as a loop of one iteration per
-    row on a GPU (BERT at 1,024 tokens under 'speed': 139,264 iterations,
-    an estimated 24x plain's step time on an H100). Kept, the gather gives
-    one part, as in plain backprop.
+    A gather's parts are IndexedSlices, which concatenate to one row per
+    lookup and segment where TensorFlow's one differentiation gives one row
+    per lookup: the dense sum is the same, but an optimizer that reads the
+    rows does not see it (Keras' Adam, RMSprop and Adagrad square each row:
+    an embedding model's weights 0.25 of their largest entry off plain's
+    after four Adam steps; Keras' mixed-precision check skipped no step
+    where one piece overflowed). Summing the rows per index instead
+    (``tf.unique``) is a loop of one iteration per row under XLA on a GPU
+    (BERT at 1,024 tokens under 'speed': 139,264 iterations, an estimated
+    24x plain's step time on an H100), and still not TensorFlow's rows.
+    Kept, the gather gives one part, plain backprop's.
     """
     memo = {}
     users = [op for op in region.order if op in region.copyable and (
-        functions.runs_users_gradient(op, memo)
-        or (compiled and op.type in optable.SPARSE_GRADIENT))]
+        functions.runs_users_gradient(op, memo) or op.type in optable.SPARSE_GRADIENT)]
     if not users:
         return list(checkpoints)
     kept = list(checkpoints)
@@ -187,8 +191,9 @@ def _say_kept(added):
                     len(users), ", ".join(t.name for t in users[:5]))
     if gathers:
         logger.info("memsave: %d gather output(s) kept that the plan would differentiate in "
-                    "several segments: under XLA, summing the segments' sparse gradients "
-                    "runs a loop with one iteration per row: %s", len(gathers),
+                    "several segments: each segment's sparse gradient would add rows of the "
+                    "same lookups, where plain backprop gives one row per lookup: %s",
+                    len(gathers),
                     ", ".join(t.name for t in gathers[:5]))
 
 
@@ -326,7 +331,7 @@ def rewrite(region, checkpoints, ledger, grad_ys=None, name="gradients", swap=No
     :func:`memsave.graph.edit.barrier`). Returns one gradient (or None) per x.
     """
     unconnected = grad_kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
-    checkpoints = differentiated_once(region, checkpoints, compiled=barriers)
+    checkpoints = differentiated_once(region, checkpoints)
     run = _Rewrite(region, checkpoints, ledger, name, swap, barriers, grad_kwargs)
     run.top_segment(grad_ys)
     for refs in _segment_groups(_checkpoint_levels(region, run.checkpoints, run.stop), run):
@@ -677,7 +682,7 @@ class _Rewrite:
         """One gradient (or None, or zeros with ``unconnected`` ZERO) per x."""
         results = []
         for x in self.region.xs:
-            g = self.d_cp.result(x) if x.ref() in self.stop else self.d_xs.result(x)
+            g = self.d_cp.total(x) if x.ref() in self.stop else self.d_xs.total(x)
             if g is None and unconnected == tf.UnconnectedGradients.ZERO:
                 g = tf_internal.zeros_for_unconnected(x)
                 self.ledger.unconnected(g)

@@ -263,11 +263,12 @@ def test_mixed_float16_loss_scaling(rewrites):
 
 @pytest.mark.parametrize("checkpoints", ["memory", "optimal"])
 def test_mixed_float16_overflow_with_an_embedding_skips_the_step(checkpoints):
-    """An embedding gathered in two segments gives two sparse partials; as
-    concatenated rows, Keras' finiteness check (which does not sum duplicate
-    rows) missed the overflow of the first step, took it and made the
-    embedding NaN. memsave returns summed rows: the step is skipped as in
-    plain Keras, and the loss scale halves the same way."""
+    """An embedding recomputed in two segments: a half-precision overflow
+    landed in memsave's sum across them and reached only the embedding's
+    sparse rows, where Keras' finiteness check (which ORs the rows of one
+    index) missed it, took the step and made the embedding NaN. A sparse
+    gradient with a non-finite entry is NaN throughout: the step is skipped
+    as in plain Keras, and the loss scale halves the same way."""
     rng = np.random.RandomState(0)
     rng.rand(8 * 8 * 8 * 3)                  # data whose first step overflows (found so)
     labels = rng.randint(0, 4, 8)
