@@ -277,6 +277,13 @@ def op_id(op):
     return op._id  # pylint: disable=protected-access
 
 
+def preserve(op):
+    """Mark the existing ``op`` so that Grappler neither removes nor bypasses it
+    (``GrapplerItem::NodesToPreserve``)."""
+    op._set_attr("_grappler_do_not_remove",  # pylint: disable=protected-access
+                 tf.compat.v1.AttrValue(b=True))
+
+
 def add_control_inputs(op, deps):
     """Make the existing ``op`` wait for the ops ``deps`` (no public way to edit an op)."""
     op._add_control_inputs(list(deps))  # pylint: disable=protected-access

@@ -68,6 +68,8 @@ def test_private_attributes_on_real_objects():
         c = tf.no_op()
         tf_internal.add_control_inputs(c, [b.op])
         assert tf_internal.control_outputs(b.op) == [c]
+        tf_internal.preserve(b.op)
+        assert b.op.get_attr("_grappler_do_not_remove")
         assert tf_internal.op_id(a.op) < tf_internal.op_id(b.op)
         assert tf_internal.input_types(b.op) == [tf.float32]
         copy = tf_internal.create_op(graph, "Identity", [a], dtypes=[tf.float32],
