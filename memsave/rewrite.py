@@ -131,8 +131,9 @@ class _Accumulator:
 
 def differentiated_once(region, checkpoints):
     """``checkpoints``, and the outputs of each op that runs a user's gradient
-    (see :func:`functions.runs_users_gradient`) or is a gather
-    (:data:`optable.SPARSE_GRADIENT`) which several segments would
+    (see :func:`functions.runs_users_gradient`) or gives sparse rows (a
+    gather, or a call or cond with one inside: see
+    :func:`functions.gives_sparse_rows`) which several segments would
     differentiate.
 
     An op recomputed in several segments is differentiated in each, with
@@ -156,9 +157,9 @@ def differentiated_once(region, checkpoints):
     24x plain's step time on an H100), and still not TensorFlow's rows.
     Kept, the gather gives one part, plain backprop's.
     """
-    memo = {}
+    memo, sparse_memo = {}, {}
     users = [op for op in region.order if op in region.copyable and (
-        functions.runs_users_gradient(op, memo) or op.type in optable.SPARSE_GRADIENT)]
+        functions.runs_users_gradient(op, memo) or functions.gives_sparse_rows(op, sparse_memo))]
     if not users:
         return list(checkpoints)
     kept = list(checkpoints)
@@ -181,8 +182,10 @@ def differentiated_once(region, checkpoints):
 
 def _say_kept(added):
     """Log what :func:`differentiated_once` kept, ``[(op, its outputs kept)]``, and why."""
-    users = [t for op, outs in added if op.type not in optable.SPARSE_GRADIENT for t in outs]
-    gathers = [t for op, outs in added if op.type in optable.SPARSE_GRADIENT for t in outs]
+    memo = {}
+    users = [t for op, outs in added if functions.runs_users_gradient(op, memo) for t in outs]
+    gathers = [t for op, outs in added if not functions.runs_users_gradient(op, memo)
+               for t in outs]
     if users:
         logger.info("memsave: %d more tensor(s) kept, output(s) of ops whose gradient a user "
                     "wrote (tf.custom_gradient, a gradient override) that the plan would "

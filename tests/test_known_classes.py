@@ -709,7 +709,7 @@ USERS_GRADIENTS = {
 def test_the_audit_catches_a_users_gradient_run_on_parts(monkeypatch):
     """Without keeping the clipped tensor, the audit refuses the rewrite."""
     from memsave import rewrite   # pylint: disable=import-outside-toplevel
-    monkeypatch.setattr(rewrite, "differentiated_once", lambda region, kept, compiled=False: list(kept))
+    monkeypatch.setattr(rewrite, "differentiated_once", lambda region, kept: list(kept))
     graph = tf.Graph()
     with graph.as_default():
         loss, xs, listed = USERS_GRADIENTS["clipped_and_read_twice"].forward(
@@ -924,12 +924,15 @@ def test_found_by_breaking(case, strategy, mode):
     assert RUNNERS[mode](OTHERS[case], strategy, None) <= 1e-9
 
 
-def _lookups(table, ws):
+def _lookups(table, ws, nested=False):
     """An embedding read as Keras reads one (a gather of the variable's value),
     with repeated ids, that every layer reads again: a plan keeping the
-    layers recomputes the lookup in each of their segments."""
+    layers recomputes the lookup in each of their segments. ``nested``: the
+    gather is inside a function the step calls."""
     ids = tf.constant(np.random.RandomState(13).randint(0, 6, 24))
-    e = tf.gather(table.value(), ids)
+    lookup = tf.function(lambda t: tf.gather(t, ids) * 2) if nested else (
+        lambda t: tf.gather(t, ids))
+    e = lookup(table.value())
     h, layers = e, []
     for w in ws:
         h = tf.tanh(h @ w) + e
@@ -937,15 +940,16 @@ def _lookups(table, ws):
     return tf.reduce_sum(h * h), [table] + ws, layers[:-1]
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["gather", "gather_in_a_call"])
 @pytest.mark.parametrize("mode", sorted(RUNNERS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_an_embeddings_gradient_has_plains_rows(strategy, mode):
+def test_an_embeddings_gradient_has_plains_rows(strategy, mode, nested):
     # One row per lookup, in plain's order: an optimizer that squares the rows
     # (Adam) sees what it sees under plain backprop.
     make = _weights(13, (6, 8), (8, 8), (8, 8), (8, 8))
 
     def both(vs):
-        loss, xs, listed = _lookups(vs[0], vs[1:])
+        loss, xs, listed = _lookups(vs[0], vs[1:], nested)
         return tf.gradients(loss, xs), _ours(loss, xs, listed, strategy, None)
 
     if mode == "session":
@@ -964,6 +968,20 @@ def test_an_embeddings_gradient_has_plains_rows(strategy, mode):
     np.testing.assert_array_equal(ours[0].indices, plain[0].indices)
     rows = [g.values for g in (plain[0], ours[0])]
     assert _worst([rows[0]] + plain[1:], [rows[1]] + ours[1:]) <= 1e-12
+
+
+def test_the_audit_catches_sparse_rows_given_per_segment(monkeypatch):
+    """Without keeping the lookup, the audit refuses the rewrite."""
+    from memsave import rewrite   # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(rewrite, "differentiated_once", lambda region, kept: list(kept))
+    with tf.Graph().as_default():
+        loss, xs, listed = _lookups(*_split(_weights(13, (6, 8), (8, 8), (8, 8))()))
+        with pytest.raises(memsave.GradientMismatchError, match="gives sparse gradient rows"):
+            memsave.gradients(loss, xs, checkpoints=listed)
+
+
+def _split(vs):
+    return vs[0], vs[1:]
 
 
 def test_a_sparse_gradient_that_is_not_finite_is_nan_throughout():

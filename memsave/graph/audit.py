@@ -371,15 +371,21 @@ def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
                     tokens[(edge, (call.index, image.name))] += 1
         return tokens - accounts.vanished
 
-    memo = {}
+    memo, sparse_memo = {}, {}
     for op in plain.sending:
         got = collections.Counter()
-        if (len(differentiations.get(op, ())) > 1
-                and functions.runs_users_gradient(op, memo)):
-            problems.append(
-                "%s runs a gradient a user wrote, which need not be linear in its output "
-                "gradient, in segments %s, each on part of it; tf.gradients runs it once"
-                % (op.name, ", ".join(str(call.index) for call, _, _ in differentiations[op])))
+        if len(differentiations.get(op, ())) > 1:
+            segments = ", ".join(str(call.index) for call, _, _ in differentiations[op])
+            if functions.runs_users_gradient(op, memo):
+                problems.append(
+                    "%s runs a gradient a user wrote, which need not be linear in its output "
+                    "gradient, in segments %s, each on part of it; tf.gradients runs it once"
+                    % (op.name, segments))
+            elif functions.gives_sparse_rows(op, sparse_memo):
+                problems.append(
+                    "%s gives sparse gradient rows in segments %s, each on part of its "
+                    "output gradient: a row per lookup and segment, where tf.gradients "
+                    "gives one per lookup" % (op.name, segments))
         for call, image, arrived in differentiations.get(op, ()):
             got.update(arrived)
             sent = accounts.inputs[(call, image)]

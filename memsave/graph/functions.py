@@ -26,6 +26,7 @@ import inspect
 import tensorflow as tf
 
 from memsave import tf_internal
+from memsave.graph import optable
 from memsave.graph.walk import topo_order
 
 # op type -> (index of the first input the bodies see, [(function attr, Python attr)]).
@@ -130,11 +131,43 @@ def runs_users_gradient(op, memo):
     of the gradients its outputs receive; its own gradients are linear in
     that sum, a user's need not be (one that clips it is not).
     ``memo``: ``{FuncGraph id: answer}``, shared across calls."""
+    return _has_users_gradient(op) or _found_inside(op, _has_users_gradient, memo)
+
+
+def gives_sparse_rows(op, memo):
+    """Whether differentiating ``op`` gives a table IndexedSlices, one row per
+    lookup: a gather (:data:`optable.SPARSE_GRADIENT`), or one inside a
+    function it calls or a cond's branch (a loop's gradient is dense).
+    Differentiated in several segments, each on part of its output
+    gradient, it gives each lookup a row per segment where TensorFlow gives
+    one: the same sum, other rows (Adam squares each). ``memo``:
+    ``{FuncGraph id: answer}``, shared across calls (not with
+    :func:`runs_users_gradient`'s)."""
+    return _is_gather(op) or _found_inside(op, _is_gather, memo, enter=_not_a_loop)
+
+
+def _has_users_gradient(op):
     try:
         op.get_attr("_gradient_op_type")
         return True
     except ValueError:
-        pass
+        return False
+
+
+def _is_gather(op):
+    return op.type in optable.SPARSE_GRADIENT
+
+
+def _not_a_loop(op):
+    return not is_loop(op)
+
+
+def _found_inside(op, found, memo, enter=lambda op: True):
+    """Whether ``found`` holds for an op of a function ``op`` calls or of a
+    control-flow body of it, at any depth, looking only into ops ``enter``
+    accepts."""
+    if not enter(op):
+        return False
     if has_bodies(op):
         inner = [body for _, _, _, body in _bodies_of(op)]
     elif tf_internal.is_function_call(op):
@@ -146,7 +179,8 @@ def runs_users_gradient(op, memo):
             continue
         if id(graph) not in memo:
             memo[id(graph)] = False   # a recursive function is not one
-            memo[id(graph)] = any(runs_users_gradient(o, memo) for o in graph.get_operations())
+            memo[id(graph)] = any(found(o) or _found_inside(o, found, memo, enter)
+                                  for o in graph.get_operations())
         if memo[id(graph)]:
             return True
     return False
