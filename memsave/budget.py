@@ -624,9 +624,10 @@ class MeasuredStep:
     each run of one call, or None where the call cannot be run again (its
     batch is read inside the step): a call of a plan on trial that the
     allocator refuses is undone and run again on the plan the loop turns to.
-    ``compiled(step)`` returns the ``tf.function`` a step calls with its own
-    arguments (default: the step itself), whose trace names the variables
-    it captures.
+    ``compiled(step, args, kwargs)`` returns the ``tf.function`` a step calls
+    with those arguments of its own (default: the step itself), whose trace
+    names the variables it captures, or None where none takes them as they
+    are (then ``state()`` alone is restored).
     """
 
     def __init__(self, build, where, state=None, replay=None, compiled=None):
@@ -634,7 +635,7 @@ class MeasuredStep:
         self.loop = Loop(where)
         self._step = build()
         self._state = state
-        self._compiled = compiled or (lambda step: step)
+        self._compiled = compiled or (lambda step, args, kwargs: step)
         self._replay = replay or same_arguments
         self._first = None    # the first plan's step, while a replan is on trial
         self._calls = 0
@@ -703,7 +704,7 @@ class MeasuredStep:
 
     def _captured(self, args, kwargs):
         """The variables the traced step captures (traced first, as its call would)."""
-        trace = getattr(self._compiled(self._step), "get_concrete_function", None)
+        trace = getattr(self._compiled(self._step, args, kwargs), "get_concrete_function", None)
         if trace is None:
             return None
         with _Entered(self.loop):

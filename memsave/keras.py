@@ -140,15 +140,20 @@ def _make_train_function(model, make, settings):
     return model.train_function
 
 
-def _compiled_step(train_function):
+def _compiled_step(train_function, args, kwargs):
     """The ``tf.function`` Keras' train function calls with its iterator, or None.
 
     Keras wraps it in a Python function; its trace names every variable the
     step captures, beyond the model's, its optimizer's and its metrics': a
     custom ``train_step``'s own optimizers (a GAN's), a layer's counter, a
     ``tf.random.Generator``. Found among the wrapper's closure, where Keras
-    keeps it.
+    keeps it. It takes ``fit``'s ``tf.data`` iterators only: Keras runs
+    ``train_on_batch``'s batch (a Python iterator) through its single step
+    on data, which would have to read the batch to be traced (None).
     """
+    if kwargs or len(args) != 1 or not isinstance(
+            args[0], (tf.data.Iterator, tf.distribute.DistributedIterator)):
+        return None
     found = [cell.cell_contents for cell in (getattr(train_function, "__closure__", None) or ())
              if isinstance(cell.cell_contents, tf.types.experimental.PolymorphicFunction)]
     return found[0] if len(found) == 1 else None

@@ -433,6 +433,20 @@ def test_keras_keeps_a_byte_budget_automatically(caplog):
     assert loss == pytest.approx(plain, rel=1e-5)
 
 
+def test_keras_train_on_batch_keeps_a_byte_budget():
+    # train_on_batch gives Keras' train function a Python iterator, which it
+    # runs through its step on data, not the tf.function fit's iterators go
+    # through: tracing that one with it raised AttributeError (found by a
+    # helper).
+    rng = np.random.RandomState(0)
+    batches = [(rng.randn(1024, 64).astype("float32"), rng.randint(0, 4, 1024))
+               for _ in range(11)]
+    plain, model = _dense_model(), memsave.keras.enable(_dense_model(), budget="3MiB")
+    losses = [[float(m.train_on_batch(x, y)) for x, y in batches] for m in (plain, model)]
+    assert model.train_function.loop.done
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 def test_keras_undoes_a_refused_call_and_trains_on_its_batch_again(monkeypatch):
     # The first plan's first call runs (it reads its batch and Adam updates
     # every variable) and then the allocator refuses it, as a full device
