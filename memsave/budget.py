@@ -56,7 +56,8 @@ the pre-step baseline), kept by a loop around the training step:
    (letting it go changes the allocator's free chunks, and with them the
    peak of the calls that follow): these calls are the ones that follow, so
    it keeps the lowest plan's margin; past it, it is treated as a replan
-   over the budget. The lowest plan keeps a
+   over the budget. A retrace after the loop settled (a new batch shape)
+   plans for the settled plan's target, unmeasured. The lowest plan keeps a
    narrower margin (:data:`LOWEST_AIM`, less its calls' spread), since no
    plan is left below it (a WARNING says so where it measured within that
    margin but past the others'); the lowest plan measured over
@@ -188,6 +189,7 @@ class _Trace:
     offload_hint: bool = False   # the planner's error suggested offload='auto'
     lowest: bool = False       # the lowest plan was taken (nothing fitted the target)
     kept: list = dataclasses.field(default_factory=list)   # each plan's kept tensor names
+    targets: list = dataclasses.field(default_factory=list)   # each region's planned estimate
 
     @property
     def estimate(self):
@@ -218,6 +220,9 @@ class Loop:
         # (plan, lowest, measured): the plan settled on after a replan, measured
         # again once the other plan's function is let go (see _observe_confirmation).
         self.confirming = None
+        self.first_trace = None    # the first plan's _Trace
+        # What a retrace of the settled step (a new batch shape) plans for.
+        self.settled_target = None
         self._recalibrate = None   # (measured, kept names): the first plan, to re-estimate
 
     # -- planning side (called by memsave.planner while the step traces) --
@@ -230,16 +235,30 @@ class Loop:
         if graph is not None and self.scratch is not None:
             self._model_scratch(graph)
         promise = self.trace.promise = settings.budget
+        if self.done and self.settled_target is not None:
+            # A retrace of the settled step (a new batch shape: a last partial
+            # batch, another dataset) aims as the plan settled on did; at the
+            # budget itself, it measured 8.6% over it. It is not measured.
+            return settings.replace(budget=self.settled_target)
         if self.last_resort:
             # Nothing fits one byte: the planner reports its smallest plan,
             # which takes_lowest weighs against the budget.
+            self.trace.targets.append(1.0)
             return settings.replace(budget=1.0)
         target = FIRST_AIM * promise if self.correction is None else self.correction(promise)
         if self.first is not None:
             target = min(target, self._upward_bound(promise))
         if graph is not None and self._measured_rewritten(len(self.trace.kept)):
             target = min(target, self._below_plain(graph))
+        self.trace.targets.append(max(1.0, target))
         return settings.replace(budget=max(1.0, target))
+
+    def settle(self, trace):
+        """The loop is done, on the plan ``trace`` planned."""
+        self.done = True
+        if trace.targets:
+            # The lowest plan again where it was the one (nothing fits 1 byte).
+            self.settled_target = 1.0 if trace.lowest else min(trace.targets)
 
     def _upward_bound(self, promise):
         """The most a replan may estimate so that, if each byte it adds to the first
@@ -389,11 +408,12 @@ class Loop:
             return self._observe_replan(measured, refused, spread)
         mib = 2 ** 20
         self.first, self.first_refused = (estimate, measured), refused
+        self.first_trace = self.trace
         self.first_kept, self.first_was_lowest = self.trace.kept, self.trace.lowest
         self.first_fits = self.fits(spread)
         taken = self.fits(spread, lowest=True) if self.trace.lowest else self.first_fits
         if (1 - TOLERANCE) * promise <= measured <= taken:
-            self.done = True
+            self.settle(self.trace)
             logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
                         self.where, promise / mib, measured / mib, estimate / mib)
             self._say_lowest_above_margin(measured, spread)
@@ -482,6 +502,8 @@ class Loop:
         promise, mib = self.trace.promise, 2 ** 20
         fits = self.fits(spread, lowest=True)
         self.confirming, self.done = None, True
+        if measured <= fits and not refused:
+            self.settle(self.first_trace if plan == "first" else self.trace)
         said = ("memsave: %s: budget %.1f MiB; the %s plan measured %.1f MiB while the "
                 "other plan's function was alive, and %s %.1f MiB once it was let go" % (
                     self.where, promise / mib, plan, before / mib, _measured_as(refused),
@@ -649,7 +671,8 @@ class MeasuredStep:
         if not self.loop.done:
             return self._trial(args, kwargs)
         try:
-            return self._step(*args, **kwargs)
+            with _Entered(self.loop):   # a retrace plans as the settled plan did
+                return self._step(*args, **kwargs)
         except tf.errors.ResourceExhaustedError as error:
             if self.loop.trace.promise is None or not self.loop.peaks:
                 raise   # nothing in the step planned for a byte budget, or measured
@@ -848,7 +871,8 @@ class MeasuredStep:
                     loop.where, _plan_on_trial(loop), (loop.trace.estimate or 0) / mib,
                     promise / mib, why))
         if loop.replanned and first:
-            self._step, self._first, loop.done = self._first, None, True
+            self._step, self._first = self._first, None
+            loop.settle(loop.first_trace)
             logger.warning("%s; back to the first plan, measured %.1f MiB",
                            said, loop.first[1] / mib)
             return BudgetError(said + "; the next calls run the first plan, measured %.1f "

@@ -293,6 +293,25 @@ def test_the_plan_settled_on_is_measured_again_once_the_other_is_let_go(caplog):
     assert _observed(loop, 100, 50, 70) is None and loop.confirming[0] == "lowest"
 
 
+def test_a_retrace_of_the_settled_step_aims_as_the_settled_plan_did():
+    # A new batch shape (the last partial batch, another dataset) traces the
+    # step again after the loop settled: planned for the budget itself, it
+    # measured 8.6% over it (found by a helper); it aims as the plan kept.
+    loop = budget.Loop("test")
+    first = loop.planning(_settings(100)).budget
+    assert first == pytest.approx(budget.FIRST_AIM * 100)
+    assert _observed(loop, 100, 80, 93) is None and loop.done
+    assert loop.planning(_settings(100)).budget == pytest.approx(first)
+    # Settled on a replan, measured again: its own target.
+    loop = budget.Loop("test")
+    loop.planning(_settings(100))
+    assert _observed(loop, 100, 80, 104) == budget.REPLAN
+    replan = loop.planning(_settings(100)).budget
+    assert replan < first
+    assert _observed(loop, 100, 70, 90) is None and _confirmed(loop, 91)
+    assert loop.planning(_settings(100)).budget == pytest.approx(replan)
+
+
 def test_a_budgeted_step_lets_the_other_plan_go_before_it_is_measured_again():
     made = []
 
