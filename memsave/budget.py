@@ -502,13 +502,12 @@ class Loop:
         promise, mib = self.trace.promise, 2 ** 20
         fits = self.fits(spread, lowest=True)
         self.confirming, self.done = None, True
-        if measured <= fits and not refused:
-            self.settle(self.first_trace if plan == "first" else self.trace)
         said = ("memsave: %s: budget %.1f MiB; the %s plan measured %.1f MiB while the "
                 "other plan's function was alive, and %s %.1f MiB once it was let go" % (
                     self.where, promise / mib, plan, before / mib, _measured_as(refused),
                     measured / mib))
         if measured <= fits and not refused:
+            self.settle(self.first_trace if plan == "first" else self.trace)
             logger.info("%s", said)
             return None
         if lowest or self.last_resort:

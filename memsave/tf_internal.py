@@ -277,11 +277,15 @@ def op_id(op):
     return op._id  # pylint: disable=protected-access
 
 
+# Grappler keeps nodes carrying this attribute (GrapplerItem::NodesToPreserve):
+# it neither removes nor bypasses them, so no fusion can see through them.
+PRESERVE = {"_grappler_do_not_remove": tf.compat.v1.AttrValue(b=True)}
+
+
 def preserve(op):
-    """Mark the existing ``op`` so that Grappler neither removes nor bypasses it
-    (``GrapplerItem::NodesToPreserve``)."""
-    op._set_attr("_grappler_do_not_remove",  # pylint: disable=protected-access
-                 tf.compat.v1.AttrValue(b=True))
+    """Mark the existing ``op`` as one Grappler keeps (:data:`PRESERVE`)."""
+    for key, value in PRESERVE.items():
+        op._set_attr(key, value)  # pylint: disable=protected-access
 
 
 def add_control_inputs(op, deps):

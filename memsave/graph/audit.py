@@ -340,6 +340,26 @@ def check(ledger, region, results, user_stops):
             "please report it." % (len(unique), "; ".join(unique[:8])))
 
 
+def _differentiated_in_parts(op, differentiations, memos):
+    """Problems of ``op`` differentiated in several segments (``differentiations``:
+    ``[(call, image, arrived)]``), each on part of its output gradient, where
+    that is not the sum of one differentiation: a user's gradient (need not
+    be linear in it), or sparse rows (a row per lookup and segment)."""
+    if len(differentiations) <= 1:
+        return []
+    segments = ", ".join(str(call.index) for call, _, _ in differentiations)
+    users_memo, sparse_memo = memos
+    if functions.runs_users_gradient(op, users_memo):
+        return ["%s runs a gradient a user wrote, which need not be linear in its output "
+                "gradient, in segments %s, each on part of it; tf.gradients runs it once"
+                % (op.name, segments)]
+    if functions.gives_sparse_rows(op, sparse_memo):
+        return ["%s gives sparse gradient rows in segments %s, each on part of its output "
+                "gradient: a row per lookup and segment, where tf.gradients gives one per "
+                "lookup" % (op.name, segments)]
+    return []
+
+
 def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
     """The problems with how the calls' arrivals add up (see the module docstring)."""
     problems = []
@@ -371,21 +391,10 @@ def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
                     tokens[(edge, (call.index, image.name))] += 1
         return tokens - accounts.vanished
 
-    memo, sparse_memo = {}, {}
+    memos = {}, {}
     for op in plain.sending:
         got = collections.Counter()
-        if len(differentiations.get(op, ())) > 1:
-            segments = ", ".join(str(call.index) for call, _, _ in differentiations[op])
-            if functions.runs_users_gradient(op, memo):
-                problems.append(
-                    "%s runs a gradient a user wrote, which need not be linear in its output "
-                    "gradient, in segments %s, each on part of it; tf.gradients runs it once"
-                    % (op.name, segments))
-            elif functions.gives_sparse_rows(op, sparse_memo):
-                problems.append(
-                    "%s gives sparse gradient rows in segments %s, each on part of its "
-                    "output gradient: a row per lookup and segment, where tf.gradients "
-                    "gives one per lookup" % (op.name, segments))
+        problems.extend(_differentiated_in_parts(op, differentiations.get(op, ()), memos))
         for call, image, arrived in differentiations.get(op, ()):
             got.update(arrived)
             sent = accounts.inputs[(call, image)]

@@ -196,11 +196,6 @@ def _identity(graph, t, device, name, extra_attrs):
     return op.outputs[0]
 
 
-# Grappler keeps nodes carrying this attribute (GrapplerItem::NodesToPreserve):
-# it neither removes nor bypasses them, so no fusion can see through them.
-_PRESERVE = {"_grappler_do_not_remove": tf.compat.v1.AttrValue(b=True)}
-
-
 def fence(grad):
     """``grad`` (a tensor or IndexedSlices) read through an Identity Grappler keeps.
 
@@ -218,7 +213,7 @@ def fence(grad):
         return tf.IndexedSlices(fence(grad.values), fence(grad.indices),
                                 fence(shape) if isinstance(shape, tf.Tensor) else shape)
     return _identity(grad.graph, grad, grad.op.device, "memsave_fence/" + grad.op.name,
-                     _PRESERVE)
+                     tf_internal.PRESERVE)
 
 
 def barrier(tensors, name):
