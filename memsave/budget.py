@@ -216,7 +216,6 @@ class Loop:
         self.replan_aim = REPLAN_AIM   # lower where the first plan's calls spread widely
         self.first_kept = None     # the first plan's kept names per region ([]: ran plain)
         self.first_was_lowest = False   # the first plan measured was the lowest plan
-        self.first_let_go_over = False   # the first plan measured over once alone: not gone back to
         # (plan, lowest, measured): the plan settled on after a replan, measured
         # again once the other plan's function is let go (see _observe_confirmation).
         self.confirming = None
@@ -449,7 +448,9 @@ class Loop:
         # measure a few percent more (MobileNetV2's lowest plan: 106.6,
         # 112.0, 115.7 MiB).
         first = self.first[1]
-        back = (not self.first_let_go_over and first <= self.first_fits
+        # The lowest plan was built once the plans it replaces were let go:
+        # there is no first plan to go back to.
+        back = (not self.last_resort and first <= self.first_fits
                 and (measured > fits or measured < first))
         over = not back and measured > fits
         if over and (self.trace.lowest or self.last_resort):
@@ -482,6 +483,9 @@ class Loop:
         logger.info("%s%s", said, "; back to the first plan" if back else "")
         if not back:
             self._say_lowest_above_margin(measured, spread)
+        if self.last_resort:
+            self.settle(self.trace)   # measured alone: nothing to measure again
+            return None
         self.done = False
         self.confirming = (("first", self.first_was_lowest, first) if back else
                            (_plan_on_trial(self), self.trace.lowest, measured))
@@ -514,8 +518,6 @@ class Loop:
             raise BudgetError(
                 "no plan fits a budget of %.1f MiB on the allocator: %s, more than %.0f%% "
                 "of the budget" % (promise / mib, said[len("memsave: "):], 100 * fits / promise))
-        if plan == "first":
-            self.first_let_go_over = True
         self.done, self.last_resort = False, True
         self.trace = _Trace()
         logger.warning("%s, over %.0f%% of the budget; planning for the lowest peak",
@@ -861,8 +863,9 @@ class MeasuredStep:
                 "a call of the settled plan (the loop's measured calls: %.1f MiB at most; a "
                 "later call needed more: other inputs, or the allocator's fragmentation): %s"
                 % (loop.where, promise / mib, max(loop.peaks) / mib, _oom_line(error)))
+        # The lowest plan was built once the plans it replaces were let go.
         first = (loop.first is not None and loop.first[1] <= loop.first_fits
-                 and not loop.first_let_go_over)
+                 and not loop.last_resort)
         said = ("memsave: %s: the allocator ran out of memory in a call of the %s "
                 "plan (estimated %.1f MiB) under a budget of %.1f MiB; the step failed and "
                 "cannot be run again (%s; variables it updated before the failure keep "
