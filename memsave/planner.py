@@ -91,6 +91,8 @@ def _listed_names(items, region):
     for t in items:
         if isinstance(t, tf.Operation) or not isinstance(t, tf.Tensor):
             raise TypeError("checkpoints must be tf.Tensor objects, got %r" % (t,))
+    items = _in_graph(items, graph)
+    for t in items:
         if t.graph is not graph:
             raise ValueError("checkpoint %s is in another graph than ys" % t.name)
     ends = {t.ref() for t in region.leaf_xs} | {t.ref() for t in region.ys}
@@ -102,6 +104,26 @@ def _listed_names(items, region):
         logger.warning("memsave: %d checkpoint(s) are not between xs and ys and are not used: %s",
                        len(off_path), ", ".join(off_path))
     return [t.name for t in items if t.op in region.ops]
+
+
+def _in_graph(items, graph):
+    """``items`` with each eager tensor that ``graph`` (a tf.function's) captured
+    replaced by its placeholder there; one it did not capture cannot lie
+    between xs and ys, and is reported and left out."""
+    captured = {id(outer): inner for outer, inner in getattr(graph, "captures", ())}
+    out, missing = [], []
+    for t in items:
+        if not isinstance(t, tf_internal.EagerTensor):
+            out.append(t)
+        elif id(t) in captured:
+            out.append(captured[id(t)])
+        else:
+            missing.append("an eager %s tensor of shape %s" % (t.dtype.name, t.shape))
+    if missing:
+        logger.warning("memsave: %d checkpoint(s) are eager tensors this graph does not read, "
+                       "so not between xs and ys, and are not used: %s",
+                       len(missing), ", ".join(missing))
+    return out
 
 
 def _offload_names(offload, region):
