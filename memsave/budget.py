@@ -295,6 +295,14 @@ class Loop:
         return min((LOWEST_AIM if lowest else AIM) * promise, promise - SPREAD_MARGIN * spread)
 
     @property
+    def first_to_go_back_to(self):
+        """Whether the first plan measured within its margin and is still there
+        to go back to: the lowest plan is built once the plans it replaces are
+        let go."""
+        return (self.first is not None and not self.last_resort
+                and self.first[1] <= self.first_fits)
+
+    @property
     def replans(self):
         return int(self.replanned) + int(self.last_resort)
 
@@ -448,10 +456,7 @@ class Loop:
         # measure a few percent more (MobileNetV2's lowest plan: 106.6,
         # 112.0, 115.7 MiB).
         first = self.first[1]
-        # The lowest plan was built once the plans it replaces were let go:
-        # there is no first plan to go back to.
-        back = (not self.last_resort and first <= self.first_fits
-                and (measured > fits or measured < first))
+        back = self.first_to_go_back_to and (measured > fits or measured < first)
         over = not back and measured > fits
         if over and (self.trace.lowest or self.last_resort):
             raise BudgetError(
@@ -863,9 +868,7 @@ class MeasuredStep:
                 "a call of the settled plan (the loop's measured calls: %.1f MiB at most; a "
                 "later call needed more: other inputs, or the allocator's fragmentation): %s"
                 % (loop.where, promise / mib, max(loop.peaks) / mib, _oom_line(error)))
-        # The lowest plan was built once the plans it replaces were let go.
-        first = (loop.first is not None and loop.first[1] <= loop.first_fits
-                 and not loop.last_resort)
+        first = loop.first_to_go_back_to
         said = ("memsave: %s: the allocator ran out of memory in a call of the %s "
                 "plan (estimated %.1f MiB) under a budget of %.1f MiB; the step failed and "
                 "cannot be run again (%s; variables it updated before the failure keep "
