@@ -1,4 +1,4 @@
-"""A budget in bytes, kept on the allocator: measure the step, replan once.
+"""A budget in bytes, kept on the allocator: measure the step, and replan where it misses.
 
 A plan's estimated peak is not what the allocator measures: BFC rounds and
 reuses chunks, gradient kernels allocate temporaries, and the step holds
@@ -50,8 +50,10 @@ the pre-step baseline), kept by a loop around the training step:
    Past the margin of 2. counts as over the budget (a later call may
    measure a few percent more). A first plan within it is taken back where
    the replan is over it or measured less than the first plan. A replan
-   over it, with no first plan within it, is followed by the lowest plan,
-   measured once more (a WARNING says so). The plan settled on after a
+   over it, with no first plan within it, is followed by a second replan
+   for the safer of both plans' errors (see :meth:`Loop._replan_again`),
+   and one over it too by the lowest plan, each measured alone, the
+   earlier plans let go (a WARNING says so). The plan settled on after a
    replan is measured again once the other plan's function is let go
    (letting it go changes the allocator's free chunks, and with them the
    peak of the calls that follow): these calls are the ones that follow, so
@@ -207,19 +209,19 @@ class Loop:
         self.first_fits = None     # the most the first plan's calls may measure (see fits)
         self.correction = None     # budget -> target, after the first measurement
         self.replanned = False
-        self.last_resort = False   # the replan measured over too: the lowest plan, once
+        # The replan measured over too: planned once more, on both plans' errors.
+        self.replanned_again = False
+        self.last_resort = False   # that one measured over too: the lowest plan, once
         self.done = False
         self.peaks = []            # every measured call's peak, in order (the promise's record)
         self.refusals = 0          # calls the allocator refused, undone and run again
         self.first_refused = False  # the first plan's figure is a refused call's bound
         self.scratch = None        # [(op name, bytes)] the first plan's large scratch
         self.replan_aim = REPLAN_AIM   # lower where the first plan's calls spread widely
-        self.first_kept = None     # the first plan's kept names per region ([]: ran plain)
-        self.first_was_lowest = False   # the first plan measured was the lowest plan
         # (plan, lowest, measured): the plan settled on after a replan, measured
         # again once the other plan's function is let go (see _observe_confirmation).
         self.confirming = None
-        self.first_trace = None    # the first plan's _Trace
+        self.first_trace = None    # the first plan's _Trace (what it kept, whether lowest)
         # What a retrace of the settled step (a new batch shape) plans for.
         self.settled_target = None
         self._recalibrate = None   # (measured, kept names): the first plan, to re-estimate
@@ -295,16 +297,33 @@ class Loop:
         return min((LOWEST_AIM if lowest else AIM) * promise, promise - SPREAD_MARGIN * spread)
 
     @property
+    def first_kept(self):
+        """The measured first plan's kept names per region ([]: it ran plain), or None."""
+        return None if self.first_trace is None else self.first_trace.kept
+
+    @property
+    def first_was_lowest(self):
+        """Whether the measured first plan was the lowest plan."""
+        return self.first_trace is not None and self.first_trace.lowest
+
+    @property
     def first_to_go_back_to(self):
         """Whether the first plan measured within its margin and is still there
         to go back to: the lowest plan is built once the plans it replaces are
         let go."""
-        return (self.first is not None and not self.last_resort
+        return (self.first is not None and not self.last_resort and not self.replanned_again
                 and self.first[1] <= self.first_fits)
 
     @property
     def replans(self):
-        return int(self.replanned) + int(self.last_resort)
+        return int(self.replanned) + int(self.replanned_again) + int(self.last_resort)
+
+    @property
+    def keeps_no_other_plan(self):
+        """Whether the plan on trial is measured alone: the loop goes back to no
+        earlier plan from the second replan or the lowest plan, so their
+        functions are let go before it is built."""
+        return self.replanned_again or self.last_resort
 
     def unfit(self, error):
         """The planner's ``BudgetError``: no plan fitted the target."""
@@ -416,7 +435,6 @@ class Loop:
         mib = 2 ** 20
         self.first, self.first_refused = (estimate, measured), refused
         self.first_trace = self.trace
-        self.first_kept, self.first_was_lowest = self.trace.kept, self.trace.lowest
         self.first_fits = self.fits(spread)
         taken = self.fits(spread, lowest=True) if self.trace.lowest else self.first_fits
         if (1 - TOLERANCE) * promise <= measured <= taken:
@@ -471,14 +489,19 @@ class Loop:
                     % (100 * fits / promise), estimate / mib, self.first[0] / mib,
                     _measured_as(self.first_refused), first / mib))
         said = ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, %s %.1f "
-                "MiB; replanned to estimate %.1f, %s %.1f MiB" % (
+                "MiB; %s %.1f, %s %.1f MiB" % (
                     self.where, promise / mib, self.first[0] / mib,
-                    _measured_as(self.first_refused), first / mib, estimate / mib,
+                    _measured_as(self.first_refused), first / mib,
+                    "the lowest plan estimated" if self.last_resort else
+                    "replanned again to estimate" if self.replanned_again else
+                    "replanned to estimate", estimate / mib,
                     _measured_as(refused), measured / mib))
+        if over and not self.replanned_again:
+            return self._replan_again(measured, refused, spread, said)
         if over:
-            # Both plans measured past the margin (the estimate's error
-            # does not scale: ConvNeXtTiny's plans estimated at 401 and 317
-            # MiB measured 560 and 510, its lowest, at 200, 303): the
+            # The second replan measured past the margin too (the estimate's
+            # error does not scale: ConvNeXtTiny's plans estimated at 401 and
+            # 317 MiB measured 560 and 510, its lowest, at 200, 303): the
             # lowest plan, measured once more, or a BudgetError.
             self.done, self.last_resort = False, True
             self.trace = _Trace()
@@ -488,13 +511,36 @@ class Loop:
         logger.info("%s%s", said, "; back to the first plan" if back else "")
         if not back:
             self._say_lowest_above_margin(measured, spread)
-        if self.last_resort:
+        if self.keeps_no_other_plan:
             self.settle(self.trace)   # measured alone: nothing to measure again
             return None
         self.done = False
         self.confirming = (("first", self.first_was_lowest, first) if back else
                            (_plan_on_trial(self), self.trace.lowest, measured))
         return FIRST if back else None
+
+    def _replan_again(self, measured, refused, spread, said):
+        """Both plans measured past their margins, and one plan's error did not
+        carry to the other (MobileNetV2 under 245.8 MiB: a first plan estimated
+        211.2 measured 235.0, its replan estimated 202.2 measured 225.7-245.1;
+        under 175.6, a replan estimated lower than its first plan measured
+        higher). So the step is planned once more, for the safer of both plans'
+        corrections, aiming lower by the wider of their calls' spreads, before
+        the lowest plan is the last resort (which settled those two at 46% and
+        69% of their budgets)."""
+        promise = self.trace.promise
+        widest = min(self.first_fits, self.fits(spread))
+        aim = REPLAN_AIM - (AIM * promise - widest) / promise
+        by_first = _correction(*self.first, 1.0 if self.first_refused else MOST_TRUSTED, aim)
+        by_replan = _correction(self.trace.estimate, measured,
+                                1.0 if refused else MOST_TRUSTED, aim)
+        self.correction = lambda budget: min(by_first(budget), by_replan(budget))
+        self.done, self.replanned_again = False, True
+        self.trace = _Trace()
+        logger.warning("%s, over %.0f%% of the budget; replanning once more, for the safer "
+                       "of both plans' errors (aiming at %.1f%% of the budget)", said,
+                       100 * widest / promise, 100 * aim)
+        return REPLAN
 
     def _observe_confirmation(self, measured, refused, spread):
         """:meth:`observe` for the plan settled on after a replan, measured again
@@ -561,7 +607,8 @@ class Loop:
 
 
 def _plan_on_trial(loop):
-    return "lowest" if loop.last_resort else "replanned" if loop.replanned else "first"
+    return ("lowest" if loop.last_resort else "second replanned" if loop.replanned_again
+            else "replanned" if loop.replanned else "first")
 
 
 def _measured_as(refused):
@@ -780,13 +827,14 @@ class MeasuredStep:
             self._unfit = error
             raise
         if action == REPLAN:
-            if self.loop.last_resort or (refused and self._first is None):
+            if self.loop.keeps_no_other_plan or (refused and self._first is None):
                 # The loop never goes back to a first plan the allocator
-                # refused, nor from the lowest plan: the functions it leaves
-                # go before the next is built, with what their kernels hold
-                # (TensorFlow's constant folding of the next function crashed
-                # the process where an allocation it needed failed: DeBERTaV3
-                # under a hard cap), and the next is measured without them.
+                # refused, nor from the second replan or the lowest plan: the
+                # functions it leaves go before the next is built, with what
+                # their kernels hold (TensorFlow's constant folding of the
+                # next function crashed the process where an allocation it
+                # needed failed: DeBERTaV3 under a hard cap), and the next is
+                # measured without them.
                 self._step = self._first = None
                 gc.collect()
             else:
