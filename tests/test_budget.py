@@ -242,10 +242,38 @@ def test_a_plan_whose_calls_spread_widely_keeps_a_wider_margin(monkeypatch):
     # Past its margin too: the lowest plan, with no third correction.
     assert _observed(loop, 100, 70, 92, spread=6) == budget.REPLAN and loop.last_resort
     assert loop.replans == 3
-    # A first plan within its margin is taken back from such a replan.
+    # A first plan within its margin is taken back from such a replan (one
+    # estimated as the first: the two give no slope to plan between them on).
     loop = budget.Loop("test")
     assert _observed(loop, 100, 80, 86, spread=2) == budget.REPLAN
-    assert _observed(loop, 100, 85, 92, spread=6) == budget.FIRST and _confirmed(loop, 86)
+    assert _observed(loop, 100, 80, 92, spread=6) == budget.FIRST and _confirmed(loop, 86)
+
+
+def test_an_upward_replan_over_the_budget_and_its_first_plan_bracket_a_second_replan(caplog):
+    # GPT2 at 1,024 tokens under 596.0 MiB, scaled to 100: a first plan
+    # estimated 81.1 measured 77.9 (below the band), its upward replan
+    # estimated 92.5 measured 100.05. Each estimated byte between them
+    # measured 1.94: the step is planned once more between them, on that
+    # slope, for 93.5%, the first plan kept to go back to.
+    loop = budget.Loop("test")
+    assert _observed(loop, 100, 81.1, 77.9) == budget.REPLAN
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        assert _observed(loop, 100, 92.5, 100.05) == budget.REPLAN
+    assert loop.between and loop.replanned_again and not loop.keeps_no_other_plan
+    slope = (100.05 - 77.9) / (92.5 - 81.1)
+    between = 81.1 + (93.5 - 77.9) / slope
+    assert loop.planning(_settings(100)).budget == pytest.approx(between)
+    assert loop.first_to_go_back_to and loop.replans == 2
+    assert any("replanning once more between them" in r.getMessage() for r in caplog.records)
+    # Within the band it is measured again once the first plan is let go.
+    assert _observed(loop, 100, 88.0, 92.0) is None and _confirmed(loop, 92.5)
+    assert loop.settled_target == pytest.approx(between)
+    # Past its margin too: back to the first plan, with no third replan.
+    loop = budget.Loop("test")
+    assert _observed(loop, 100, 81.1, 77.9) == budget.REPLAN
+    assert _observed(loop, 100, 92.5, 100.05) == budget.REPLAN
+    assert _observed(loop, 100, 88.0, 97.0) == budget.FIRST and _confirmed(loop, 77.9)
+    assert loop.replans == 2 and not loop.last_resort
 
 
 def test_a_replan_over_the_budget_is_planned_again_on_both_plans_errors():
@@ -798,6 +826,21 @@ def _tracked_step():
         made.append(weakref.ref(function))
         return function
     return budget.MeasuredStep(build, "test"), made
+
+
+def test_a_second_replan_between_two_plans_keeps_the_first_to_go_back_to():
+    step, made = _tracked_step()
+    step.loop.trace.promise, step.loop.trace.estimates = 100, [81]
+    step._observe(78)   # pylint: disable=protected-access
+    step.loop.trace.promise, step.loop.trace.estimates = 100, [92]
+    step._observe(100)   # pylint: disable=protected-access
+    assert step.loop.between and len(made) == 3
+    assert made[0]() is step._first is not None   # pylint: disable=protected-access
+    assert made[1]() is None   # the replan on trial went
+    step.loop.trace.promise, step.loop.trace.estimates = 100, [88]
+    step._observe(97)   # pylint: disable=protected-access
+    assert step._step is made[0]() and step._first is None   # pylint: disable=W0212
+    assert made[2]() is None
 
 
 def test_a_refused_first_plan_is_let_go_before_the_replan_is_built():
