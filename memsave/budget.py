@@ -508,7 +508,7 @@ class Loop:
             if between is not None:
                 return between
         if over and not self.replanned_again:
-            return self._replan_again(measured, refused, spread, said)
+            return self._replan_again(measured, refused, spread, said, fits)
         if over:
             # The second replan measured past the margin too (the estimate's
             # error does not scale: ConvNeXtTiny's plans estimated at 401 and
@@ -530,9 +530,10 @@ class Loop:
                            (_plan_on_trial(self), self.trace.lowest, measured))
         return FIRST if back else None
 
-    def _replan_again(self, measured, refused, spread, said):
-        """Both plans measured past their margins, and one plan's error did not
-        carry to the other (MobileNetV2 under 245.8 MiB: a first plan estimated
+    def _replan_again(self, measured, refused, spread, said, fits, estimate=None):
+        """Both plans measured past their margins (or the plan settled on did,
+        measured again once the other was let go), and one plan's error did
+        not carry to the other (MobileNetV2 under 245.8 MiB: a first plan estimated
         211.2 measured 235.0, its replan estimated 202.2 measured 225.7-245.1;
         under 175.6, a replan estimated lower than its first plan measured
         higher). So the step is planned once more, for the safer of both plans'
@@ -543,14 +544,14 @@ class Loop:
         widest = min(self.first_fits, self.fits(spread))
         aim = REPLAN_AIM - (AIM * promise - widest) / promise
         by_first = _correction(*self.first, 1.0 if self.first_refused else MOST_TRUSTED, aim)
-        by_replan = _correction(self.trace.estimate, measured,
+        by_replan = _correction(self.trace.estimate if estimate is None else estimate, measured,
                                 1.0 if refused else MOST_TRUSTED, aim)
         self.correction = lambda budget: min(by_first(budget), by_replan(budget))
         self.done, self.replanned_again = False, True
         self.trace = _Trace()
         logger.warning("%s, over %.0f%% of the budget; replanning once more, for the safer "
                        "of both plans' errors (aiming at %.1f%% of the budget)", said,
-                       100 * widest / promise, 100 * aim)
+                       100 * fits / promise, 100 * aim)
         return REPLAN
 
     def _replan_between(self, measured, spread, said):
@@ -592,8 +593,11 @@ class Loop:
         was alive, 6.4 after; 11 of 12 such pairs differed, by -7% to +15%).
         These calls are the ones that follow, so only the meter's margin is
         kept, as for the lowest plan (:data:`LOWEST_AIM`, less their spread):
-        within it the plan is kept; past it, the lowest plan follows unless it
-        was the lowest or the last resort, which is a BudgetError."""
+        within it the plan is kept; past it, a second replan below both plans
+        follows (:meth:`_replan_again`; MobileNetV2 under 259.2 MiB: a replan
+        at 94.9% while its first plan's function was alive, 96.8% after, and
+        the lowest plan then settled at 48%), the lowest plan after a second
+        replan, and a BudgetError after the lowest plan or the last resort."""
         plan, lowest, before = self.confirming
         promise, mib = self.trace.promise, 2 ** 20
         fits = self.fits(spread, lowest=True)
@@ -610,6 +614,9 @@ class Loop:
             raise BudgetError(
                 "no plan fits a budget of %.1f MiB on the allocator: %s, more than %.0f%% "
                 "of the budget" % (promise / mib, said[len("memsave: "):], 100 * fits / promise))
+        if not self.replanned_again:
+            return self._replan_again(measured, refused, spread, said, fits,
+                                      self.first[0] if plan == "first" else self.trace.estimate)
         self.done, self.last_resort = False, True
         self.trace = _Trace()
         logger.warning("%s, over %.0f%% of the budget; planning for the lowest peak",

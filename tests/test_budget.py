@@ -201,14 +201,18 @@ def _settled_past_the_budget(target, first_aim, monkeypatch, caplog):
     return step
 
 
-def test_a_looser_replan_that_overshoots_goes_back_to_the_first_plan(plain_peak, monkeypatch,
-                                                                      caplog):
+def test_a_looser_replan_that_overshoots_is_followed_by_one_between_it_and_the_first_plan(
+        plain_peak, monkeypatch, caplog):
     # The first plan aims well below the budget, the replan past it, as an
-    # estimate that is low for larger plans would: the step keeps the first.
+    # estimate that is low for larger plans would: the two bracket the
+    # budget, and a plan between them is measured, the first kept to go back
+    # to where it measures over too (which of the two settles depends on the
+    # allocator's figures: both are within the budget).
     target = int(0.6 * plain_peak)
     step = _settled_past_the_budget(target, 0.5, monkeypatch, caplog)
-    assert step.loop.replanned and step.loop.first[1] <= target
-    assert any("back to the first plan" in r.getMessage() for r in caplog.records)
+    assert step.loop.replanned and step.loop.between and step.loop.first[1] <= target
+    assert any("replanning once more between them" in r.getMessage() for r in caplog.records)
+    assert not step.loop.last_resort
     assert peak_memory(step) <= target
     _assert_same(_chain_step()(), step())
 
@@ -323,30 +327,42 @@ def test_the_plan_settled_on_is_measured_again_once_the_other_is_let_go(caplog):
     loop = budget.Loop("test")
     assert _observed(loop, 100, 80, 104) == budget.REPLAN
     assert _observed(loop, 100, 70, 90) is None and _confirmed(loop, 98.5)
-    # Past it, the lowest plan follows (a WARNING says so), built once the
-    # others are let go and measured once more: kept without another check.
+    # Past it, a second replan below both plans follows (a WARNING says so),
+    # built once the others are let go and measured once more: kept without
+    # another check. (MobileNetV2 under 259.2 MiB: a replan at 94.9%, then
+    # 96.8%; the lowest plan, which followed it then, settled at 48%.)
     loop = budget.Loop("test")
     assert _observed(loop, 100, 80, 104) == budget.REPLAN
     assert _observed(loop, 100, 70, 90) is None
     with caplog.at_level(logging.WARNING, logger="memsave"):
-        assert loop.observe(99.5) == budget.REPLAN and loop.last_resort and not loop.done
+        assert loop.observe(99.5) == budget.REPLAN and not loop.done
+    assert loop.replanned_again and not loop.between and not loop.last_resort
     assert any("once it was let go" in r.getMessage()
-               and "planning for the lowest peak" in r.getMessage() for r in caplog.records)
+               and "replanning once more" in r.getMessage() for r in caplog.records)
+    assert _observed(loop, 100, 60, 85) is None and loop.done and loop.confirming is None
+    # Past its margin too, the lowest plan.
+    loop = budget.Loop("test")
+    assert _observed(loop, 100, 80, 104) == budget.REPLAN
+    assert _observed(loop, 100, 70, 90) is None
+    assert loop.observe(99.5) == budget.REPLAN
+    assert _observed(loop, 100, 60, 97) == budget.REPLAN and loop.last_resort
     assert _observed(loop, 100, 50, 80) is None and loop.done and loop.confirming is None
-    # The first plan fitted and measured more than the lowest, but its
-    # function is gone: the lowest plan is kept (found by CI: the step was
-    # handed a None function).
+    # The first plan fitted and measured more than the replan, but its
+    # function is gone: the second replan is kept (found by CI, with the
+    # lowest plan: the step was handed a None function).
     loop = budget.Loop("test")
     assert _observed(loop, 100, 80, 88) == budget.REPLAN
     assert _observed(loop, 100, 90, 92) is None
-    assert loop.observe(99.5) == budget.REPLAN and loop.last_resort
-    assert _observed(loop, 100, 50, 70) is None and loop.done
-    # A first plan taken back and then measured past the margin: the same.
+    assert loop.observe(99.5) == budget.REPLAN and not loop.first_to_go_back_to
+    assert _observed(loop, 100, 60, 70) is None and loop.done
+    # A first plan taken back and then measured past the margin: the same,
+    # its own two measurements read as the two plans' errors.
     loop = budget.Loop("test")
     assert _observed(loop, 100, 80, 88) == budget.REPLAN
     assert _observed(loop, 100, 90, 79) == budget.FIRST
-    assert loop.observe(99.5) == budget.REPLAN and loop.last_resort
-    assert _observed(loop, 100, 50, 70) is None and loop.done
+    assert loop.observe(99.5) == budget.REPLAN and loop.replanned_again
+    assert loop.correction(100) == pytest.approx(93.5 - 19.5)
+    assert _observed(loop, 100, 60, 70) is None and loop.done
 
 
 def test_a_retrace_of_the_settled_step_aims_as_the_settled_plan_did():
