@@ -877,12 +877,12 @@ class MeasuredStep:
         if action == REPLAN:
             if self.loop.keeps_no_other_plan or (refused and self._first is None):
                 # The loop never goes back to a first plan the allocator
-                # refused, nor from the second replan or the lowest plan: the
-                # functions it leaves go before the next is built, with what
-                # their kernels hold (TensorFlow's constant folding of the
-                # next function crashed the process where an allocation it
-                # needed failed: DeBERTaV3 under a hard cap), and the next is
-                # measured without them.
+                # refused, nor from a second replan below both plans or the
+                # lowest plan: the functions it leaves go before the next is
+                # built, with what their kernels hold (TensorFlow's constant
+                # folding of the next function crashed the process where an
+                # allocation it needed failed: DeBERTaV3 under a hard cap),
+                # and the next is measured without them.
                 self._step = self._first = None
                 gc.collect()
             elif self._first is None:
