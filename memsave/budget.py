@@ -495,14 +495,7 @@ class Loop:
                     ", more than %.0f%% of the budget, within its calls' variation"
                     % (100 * fits / promise), estimate / mib, self.first[0] / mib,
                     _measured_as(self.first_refused), first / mib))
-        said = ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, %s %.1f "
-                "MiB; %s %.1f, %s %.1f MiB" % (
-                    self.where, promise / mib, self.first[0] / mib,
-                    _measured_as(self.first_refused), first / mib,
-                    "the lowest plan estimated" if self.last_resort else
-                    "replanned again to estimate" if self.replanned_again else
-                    "replanned to estimate", estimate / mib,
-                    _measured_as(refused), measured / mib))
+        said = self._said_after_replan(measured, refused)
         if back and not self.replanned_again and measured > fits:
             between = self._replan_between(measured, spread, said)
             if between is not None:
@@ -529,6 +522,18 @@ class Loop:
         self.confirming = (("first", self.first_was_lowest, first) if back else
                            (_plan_on_trial(self), self.trace.lowest, measured))
         return FIRST if back else None
+
+    def _said_after_replan(self, measured, refused):
+        """The log line of a measured replan: both plans' estimates and figures."""
+        mib = 2 ** 20
+        return ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, %s %.1f "
+                "MiB; %s %.1f, %s %.1f MiB" % (
+                    self.where, self.trace.promise / mib, self.first[0] / mib,
+                    _measured_as(self.first_refused), self.first[1] / mib,
+                    "the lowest plan estimated" if self.last_resort else
+                    "replanned again to estimate" if self.replanned_again else
+                    "replanned to estimate", self.trace.estimate / mib,
+                    _measured_as(refused), measured / mib))
 
     def _replan_again(self, measured, refused, spread, said, fits, estimate=None):
         """Both plans measured past their margins (or the plan settled on did,
