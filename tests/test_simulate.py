@@ -9,6 +9,7 @@ import memsave
 from memsave.planning import PlanGraph
 from memsave.planning.simulate import (fits, kept_indices, prepare, recompute_cost,
                                        rewrite_segments, shared_recomputation, simulate_peak)
+from memsave.profile import peak_breakdown, session_step
 from tests.test_optimal import _measure
 
 MB = 2**20
@@ -135,15 +136,24 @@ def test_a_single_gradient_piece_of_an_x_is_its_gradient():
     as it is, with no AddN (a sum buffer beside each weight's one piece put
     plain backprop of a 4 x 2048 x 2048 Dense stack at 80.1 MiB, measured
     64.2)."""
-    measured, _ = _measure(_dense_stack)
     graph = tf.Graph()
     with graph.as_default():
         loss, ws = _dense_stack()
         plan = memsave.plan(loss, ws, checkpoints="optimal", min_checkpoint_size=0)
+        grads = tf.gradients(loss, ws)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            measured = peak_breakdown(session_step(sess, grads))
     estimate = plan.plain_peak_bytes
     weights = 4 * 1024 * 1024 * 4
     assert weights <= estimate <= weights * 1.05, estimate / MB
-    assert 0.9 * measured <= estimate <= 1.1 * measured, (estimate / MB, measured / MB)
+    # The estimate counts tensors, not kernels' scratch: on some CPUs oneDNN's
+    # matmul holds a weight-sized scratch buffer beside the weights' gradients
+    # (measured 20.0 MiB on a CI machine, 16.0 here), on others none.
+    tensors = measured.peak - sum(n for op, kind, n, _ in measured.live
+                                  if op is None or kind != "output")
+    assert 0.9 * tensors <= estimate <= 1.1 * measured.peak, (
+        estimate / MB, measured.summary())
 
 
 def _random_dag(seed, n=48):
