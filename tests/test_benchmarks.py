@@ -95,7 +95,9 @@ def test_zoo_benchmark_quick(tmp_path):
     assert not rows["optimal, max_recompute=0.1"]["fell_back"]
     # A byte budget, 0.7 x plain's measured peak, kept on the allocator.
     kept = rows["budget 0.7 × plain"]
-    assert kept["held"] == 1 and kept["replans"] <= 1
+    # At most three replans: one, a second between or below two plans
+    # measured over, then the lowest plan (memsave.budget's Loop).
+    assert kept["held"] == 1 and kept["replans"] <= 3
     assert kept["peak_median"] <= kept["worst_mib"] <= kept["budget_mib"]
     assert (tmp_path / "zoo_quick.png").stat().st_size > 10_000
     assert "| GPT2" in stdout
