@@ -24,7 +24,7 @@ from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
 from memsave.planning.simulate import fits as fits_in, prepare, recompute_cost, simulate_peak
-from memsave.planning.strategies import (MAX_RECOMPUTE_ERROR, memory, recompute_once,
+from memsave.planning.strategies import (MAX_RECOMPUTE_ERROR, memory_spacing, recompute_once,
                                          speed_candidates, step_work)
 
 logger = logging.getLogger("memsave")
@@ -422,7 +422,7 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fas
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
     try:
-        kept_sets.append(memory(graph, min_checkpoint_size=0).checkpoints)
+        kept_sets.append(topological(graph, memory_spacing(graph, min_checkpoint_size=0)[0]))
     except ValueError:
         pass
     if fast is not None:

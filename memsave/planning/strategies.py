@@ -221,6 +221,16 @@ def memory(graph, min_checkpoint_size=1024):
     Raises :class:`NoBottleneckError` when the graph has no bottleneck
     (e.g. a U-Net, whose skip connections bypass every tensor).
     """
+    chosen, found, sized = memory_spacing(graph, min_checkpoint_size)
+    return plan_for(graph, chosen, "memory",
+                      ["%d bottleneck(s) among %d activations; kept %d" % (
+                          len(found), sized, len(chosen))])
+
+
+def memory_spacing(graph, min_checkpoint_size=1024):
+    """What :func:`memory` keeps, without its plan's estimates (for planners
+    that estimate it themselves): ``(kept names, bottlenecks of at least
+    that size, count of candidates of at least that size)``."""
     if min_checkpoint_size < 0:
         raise ValueError("min_checkpoint_size must be >= 0, got %r" % (min_checkpoint_size,))
     validate(graph)
@@ -233,7 +243,7 @@ def memory(graph, min_checkpoint_size=1024):
         e = d["elements"]
         return e is None or not d["sized_exactly"] or e >= min_checkpoint_size
 
-    sized = [n for n, d in graph.nodes(data=True) if d["candidate"] and big(n)]
+    sized = sum(1 for n, d in graph.nodes(data=True) if d["candidate"] and big(n))
     cuts = [n for n in bottlenecks(graph) if graph.nodes[n]["candidate"]]
     found = [n for n in cuts if big(n)]
     if cuts and not found:
@@ -250,9 +260,7 @@ def memory(graph, min_checkpoint_size=1024):
             "checkpoints='collection' with tensors added to the 'checkpoints' "
             "collection, or pass an explicit list of tensors." % min_checkpoint_size)
     chosen, _ = _best_spacing(graph, found)
-    return plan_for(graph, chosen, "memory",
-                      ["%d bottleneck(s) among %d activations; kept %d" % (
-                          len(found), len(sized), len(chosen))])
+    return chosen, found, sized
 
 
 def _best_spacing(graph, found):
