@@ -280,6 +280,43 @@ def test_an_upward_replan_over_the_budget_and_its_first_plan_bracket_a_second_re
     assert loop.replans == 2 and not loop.last_resort
 
 
+def test_no_second_replan_is_traced_where_it_would_plan_the_first_plan_again(caplog):
+    # Plans come in steps: between GPT2's at 1,024 tokens (estimated 483.5
+    # and 551.5 MiB) none was, and the second replan between them traced and
+    # measured the first plan again. Here a 24-layer chain's plans step by
+    # 1 MiB (12, 13, 14 ...): a first plan estimated 12 MiB measures 70% of a
+    # 20 MiB budget, its replan (13) 99.5%; between them lies 12.8 MiB, which
+    # the replan's planning graph, planned again, answers with the first
+    # plan: back to it, one replan in all.
+    from tests.builders import plan_chain  # pylint: disable=import-outside-toplevel
+    from memsave.planning import registry  # pylint: disable=import-outside-toplevel
+    mib, graph = 2 ** 20, plan_chain(24)
+    plans = [registry.run(_settings(1).checkpoints.strategy, graph, budget=b * mib)
+             for b in (12.5, 13.5, 14.5)]
+    assert [p.estimated_peak_bytes / mib for p in plans] == [12, 13, 14]
+
+    def traced(loop, plan, measured):
+        loop.planning(_settings(20 * mib), graph)
+        loop.record(plan)
+        return loop.observe(measured * mib)
+
+    loop = budget.Loop("test")
+    assert traced(loop, plans[0], 14.0) == budget.REPLAN
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        assert traced(loop, plans[1], 19.9) == budget.FIRST
+    assert loop.replans == 1 and not loop.between
+    assert any("between the first plan and the replan, is the first plan" in r.getMessage()
+               for r in caplog.records)
+    assert _confirmed(loop, 14.0 * mib) and loop.first_trace.kept == [plans[0].kept]
+    # Measured at 60%, and its replan estimated 14 MiB, the first plan leaves
+    # 13.7 MiB between them, which plans the 13 MiB plan: that second replan
+    # is traced.
+    loop = budget.Loop("test")
+    assert traced(loop, plans[0], 12.0) == budget.REPLAN
+    assert traced(loop, plans[2], 19.9) == budget.REPLAN and loop.between
+    assert loop.replans == 2
+
+
 def test_a_replan_over_the_budget_is_planned_again_on_both_plans_errors():
     # MobileNetV2 under 245.8 MiB, scaled to 100: a first plan estimated 86
     # measured 95.6 (over AIM); its replan, estimated 82.3, measured 91.8 to
