@@ -261,12 +261,20 @@ class Loop:
             self.trace.targets.append(1.0)
             return settings.replace(budget=1.0)
         target = FIRST_AIM * promise if self.correction is None else self.correction(promise)
+        target = self._bounded(target, promise, graph, len(self.trace.kept))
+        self.trace.targets.append(target)
+        return settings.replace(budget=target)
+
+    def _bounded(self, target, promise, graph, region):
+        """``target`` for the ``region``-th region (its PlanGraph ``graph``, if
+        known) within the bounds every replan keeps: no higher than
+        :meth:`_upward_bound` and, for a rewritten region, :meth:`_below_plain`;
+        at least one byte."""
         if self.first is not None:
             target = min(target, self._upward_bound(promise))
-        if graph is not None and self._measured_rewritten(len(self.trace.kept)):
+        if graph is not None and self._measured_rewritten(region):
             target = min(target, self._below_plain(graph))
-        self.trace.targets.append(max(1.0, target))
-        return settings.replace(budget=max(1.0, target))
+        return max(1.0, target)
 
     def settle(self, trace):
         """The loop is done, on the plan ``trace`` planned."""
@@ -609,12 +617,10 @@ class Loop:
         graph, settings = self.trace.planned[0]
         if settings.checkpoints.strategy is None:
             return False
-        bound = min(target, self._upward_bound(self.trace.promise))
-        if self._measured_rewritten(0):
-            bound = min(bound, self._below_plain(graph))
+        bound = self._bounded(target, self.trace.promise, graph, 0)
         try:
             plan = registry.run(settings.checkpoints.strategy, graph,
-                                **settings.replace(budget=max(1.0, bound)).strategy_options())
+                                **settings.replace(budget=bound).strategy_options())
         except BudgetError:
             return False
         if list(plan.kept) != list(self.first_kept[0]):
