@@ -221,7 +221,7 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kw
                 "gradients); it would not see memsave's recomputed ops, so plain "
                 "tf.gradients is used for this call"))
             return plain()
-        region = analyze(ys, xs)
+        region = analyze(ys, xs, compiled)
         if not region.ops:
             logger.warning("memsave: none of the ys depends on the xs; gradients are None")
             return plain()
@@ -392,7 +392,7 @@ def plan(ys, xs, *, checkpoints="optimal", **options):
     graph = _validate(ys, xs, None)
     compiled = compiled_by_xla(settings.xla, graph)
     with graph.as_default():
-        region = analyze(ys, _resolve_xs(xs, graph))
+        region = analyze(ys, _resolve_xs(xs, graph), compiled)
         if not region.ops:
             # As memsave.gradients: nothing to differentiate, so nothing to keep.
             return Plan(settings.checkpoints.label, [], notes=["none of the ys depends on the xs"])

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, functions, optable
-from memsave.graph.edit import barrier, fence, joined_waits
+from memsave.graph.edit import SizedUnderXla, barrier, fence, joined_waits, order_token
 from memsave.graph.region import differentiable, in_place_closure, num_elements
 from memsave.graph.schedule import reducers_first
 from memsave.graph.walk import components, forward_ops
@@ -400,6 +400,7 @@ class _Rewrite:
     def __init__(self, region, checkpoints, ledger, name, swap, barriers, grad_kwargs):
         self.region, self.ledger, self.name = region, ledger, name
         self.barriers, self.grad_kwargs = barriers, grad_kwargs
+        self.sized = SizedUnderXla()
         self.user_stops = list(grad_kwargs.pop("stop_gradients", None) or [])
         # xs computed inside the region are checkpoints (region.forced): their
         # gradients accumulate like a checkpoint's. Each leaf x is asked once.
@@ -585,7 +586,7 @@ class _Rewrite:
         barred = {}
         if self.barriers:
             barred = _barred_reads(ordered, self.stop, read_as, self.region, self.wait,
-                                   self.segment, own)
+                                   self.segment, self.sized, own)
             ledger.inserted(barred.values())
             read_as.update(barred)
         copies = copy_ops(ops, replace=read_as, wait_for=self.wait,
@@ -876,7 +877,7 @@ def _dense_part(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
-def _barred_reads(ordered, stop, read_as, region, wait_for, segment, own=()):
+def _barred_reads(ordered, stop, read_as, region, wait_for, segment, sized, own=()):
     """``{ref: barrier output}`` for the float tensors the segment's ops
     (``ordered``, in creation order) read from outside.
 
@@ -888,7 +889,9 @@ def _barred_reads(ordered, stop, read_as, region, wait_for, segment, own=()):
     loop's TensorList). Others are read as they are: integers may be shapes XLA needs as compile-time
     constants; the xs and the kept reads of xs are what the segment's
     gradient call asks for by name; resources and TensorLists are handles,
-    not values.
+    not values; tensors XLA sizes at run time cannot go through (``sized``:
+    an :class:`~memsave.graph.edit.SizedUnderXla`), and such a wait is
+    waited on through a scalar read of it.
     """
     xs = {x.ref() for x in region.xs}
     ops = set(ordered)
@@ -903,8 +906,16 @@ def _barred_reads(ordered, stop, read_as, region, wait_for, segment, own=()):
     for t in own:
         if t.dtype.is_floating:
             reads.setdefault(t.ref(), read_as.get(t.ref(), t))
+    unsized = [ref for ref, t in reads.items() if not sized(t)]
+    if unsized:
+        logger.debug("memsave: segment %d reads %d tensor(s) XLA sizes at run time without "
+                     "a barrier (XLA may merge what it computes from them back into the "
+                     "forward pass)", segment, len(unsized))
+        for ref in unsized:
+            del reads[ref]
     if not reads:
         return {}
-    waits = [t for t in wait_for if t.dtype.is_floating or t.dtype.is_complex]
+    waits = [t if sized(t) else order_token(t) for t in wait_for
+             if t.dtype.is_floating or t.dtype.is_complex]
     outs = barrier(list(reads.values()) + waits, "memsave_%d/memsave_barrier" % segment)
     return dict(zip(reads, outs))

@@ -87,6 +87,8 @@ _OP_DOC = """
                       "scan" (acc/2 + tanh(row @ w)), "map_dropout" (dropout
                       in the body: stateful), "map_print" (tf.print in it)
 ("cond", a, w)        tf.cond(sum(h[a]) > 0, tanh(h[a] @ w), h[a] / 2)
+("cond_gather", a, e, seed)  tf.cond(sum(h[a]) > 0, h[a] + gather(e, ids(seed)), h[a] / 2):
+                      its gradient's rows come from one branch (XLA sizes them at run time)
 ("call", a, w, n)     a nested tf.function tanh(h @ w) * 1.5, applied n (1, 2) times
 ("custom", form, a)   tf.custom_gradient: form "silu" (tf.nn.silu), "tanh" (a
                       tanh whose gradient closes over its output)
@@ -121,6 +123,9 @@ def _op_text(op, pool):
         return "%s(%s, %s)" % (op[1], ref(op[2]), "fresh w" if op[3] is None else "w%d" % op[3])
     if kind == "cond":
         return "cond(%s, %s)" % (ref(op[1]), "fresh w" if op[2] is None else "w%d" % op[2])
+    if kind == "cond_gather":
+        return "cond_gather(%s, %s, ids%d)" % (ref(op[1]), "fresh e" if op[2] is None
+                                               else "e%d" % op[2], op[3])
     if kind == "call":
         return "call%s(%s, %s)" % ("x%d" % op[3] if op[3] > 1 else "", ref(op[1]),
                                    "fresh w" if op[2] is None else "w%d" % op[2])
@@ -162,6 +167,8 @@ def _walk(spec):
             new_var = var("b", op[2])
         elif kind == "embed":
             new_var = var("e", op[1])
+        elif kind == "cond_gather":
+            new_var = var("e", op[2])
         elif kind == "concat_split":
             inter = [h + ".concat", h + ".p0", h + ".p1", h + ".p2", h + ".rest"]
         elif kind == "reduce":
@@ -206,11 +213,11 @@ def tensor_names(ops, losses=()):
 # Where each op kind keeps its back-offset operands.
 OPERANDS = {"matmul": (1,), "unary": (2,), "add": (1, 2), "mul": (1, 2), "rowadd": (1, 2),
             "bias": (1,), "concat_split": (1, 2), "reduce": (3,), "transpose": (1,),
-            "reshape3": (1,), "dropout": (1,), "fracpool": (1,), "inplace": (1,), "embed": (), "loop": (2,), "cond": (1,),
+            "reshape3": (1,), "dropout": (1,), "fracpool": (1,), "inplace": (1,), "embed": (), "loop": (2,), "cond": (1,), "cond_gather": (1,),
             "call": (1,), "custom": (2,), "pow": (2,), "conv": (1,)}
 # Where ops that name a variable keep its share index, and its prefix.
 SHARES = {"matmul": (2, "w"), "bias": (2, "b"), "embed": (1, "e"), "loop": (3, "w"),
-          "cond": (2, "w"), "call": (2, "w"), "conv": (2, "k")}
+          "cond": (2, "w"), "cond_gather": (2, "e"), "call": (2, "w"), "conv": (2, "k")}
 
 _OFFSET = st.one_of(st.just(0), st.integers(0, 2), st.integers(0, 63))
 _SHARE = st.one_of(st.none(), st.none(), st.integers(0, 3))
@@ -227,6 +234,7 @@ def _weak_op():
     return st.one_of([
         loop, loop,
         st.tuples(st.just("cond"), _OFFSET, _SHARE),
+        st.tuples(st.just("cond_gather"), _OFFSET, _SHARE, st.integers(0, 3)),
         st.tuples(st.just("call"), _OFFSET, _SHARE, st.integers(1, 2)),
         st.tuples(st.just("custom"), st.sampled_from(["silu", "tanh"]), _OFFSET),
         st.tuples(st.just("pow"), st.sampled_from(["cube", "gelu"]), _OFFSET),
@@ -294,7 +302,7 @@ def _read_in_bodies(ops):
     """Variables that loops, conds and calls read (candidates for a later write)."""
     names = []
     for _, (op, _, new_var, _, _) in _walk(ops):
-        if op[0] in ("loop", "cond", "call") and new_var[0] not in names:
+        if op[0] in ("loop", "cond", "cond_gather", "call") and new_var[0] not in names:
             names.append(new_var[0])
     return names
 
@@ -451,6 +459,11 @@ def build(tf, spec, variables):
             elif kind == "cond":
                 a, w = at(op[1]), variables[new_var[0]]
                 out = tf.cond(tf.reduce_sum(a) > 0, lambda: tf.tanh(a @ w), lambda: a * 0.5)
+            elif kind == "cond_gather":
+                a, e = at(op[1]), variables[new_var[0]]
+                ids = np.random.RandomState(op[3]).randint(0, VOCAB, size=B).astype(np.int32)
+                out = tf.cond(tf.reduce_sum(a) > 0, lambda: a + tf.gather(e, tf.constant(ids)),
+                              lambda: a * 0.5)
             elif kind == "call":
                 out = at(op[1])
                 for _ in range(op[3]):

@@ -239,6 +239,80 @@ def barrier(tensors, name):
     return list(outs)
 
 
+# Ops whose outputs XLA may size only at run time (bounded dynamic
+# dimensions): sizes that depend on values, and control flow whose branches
+# or iterations may give different sizes (a cond's gradient: a gather's rows
+# from one branch, none from the other). TF1 loops' Merge is here too, which
+# also keeps the walk below off their back edges.
+_SIZED_AT_RUN_TIME = frozenset({
+    "Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2",
+    "DynamicPartition", "NonMaxSuppressionV3", "NonMaxSuppressionV4",
+    "NonMaxSuppressionV5", "If", "StatelessIf", "Case", "StatelessCase", "While",
+    "StatelessWhile", "PartitionedCall", "StatefulPartitionedCall", "Merge",
+})
+
+
+class SizedUnderXla:
+    """Whether XLA compiles a tensor with static sizes, which its
+    optimization barrier needs ("Asked to propagate a dynamic dimension ...
+    to opt-barrier ... not implemented"; a shape read off a barrier's output
+    is then no compile-time constant either).
+
+    A tensor whose static shape TF knows is static. One with unknown axes is
+    static unless its size comes from an op in :data:`_SIZED_AT_RUN_TIME`,
+    directly or through the sizes and integer values (shapes) its op reads:
+    a ``tf.function``'s arguments are sized when XLA compiles it, so an
+    unknown batch axis is no dynamic one. Answers are kept for the rewrite.
+    """
+
+    def __init__(self):
+        self._at_run_time = {}
+
+    def __call__(self, t):
+        return t.shape.is_fully_defined() or not self._sized_at_run_time(t)
+
+    def _verdict(self, t):
+        """True/False where ``t`` alone decides, else None (ask its op's inputs)."""
+        if not t.op.inputs:
+            return False
+        if t.op.type in _SIZED_AT_RUN_TIME and not t.shape.is_fully_defined():
+            return True
+        if t.shape.is_fully_defined() and not t.dtype.is_integer:
+            return False
+        return None
+
+    def _sized_at_run_time(self, t):
+        memo = self._at_run_time
+        stack = [(t, False)]
+        while stack:
+            top, expanded = stack.pop()
+            ref = top.ref()
+            if expanded:
+                # An input still in progress closes a cycle: taken as dynamic.
+                memo[ref] = any(memo.get(i.ref()) is not False for i in top.op.inputs)
+                continue
+            if ref in memo:
+                continue
+            verdict = self._verdict(top)
+            if verdict is not None:
+                memo[ref] = verdict
+                continue
+            memo[ref] = None
+            stack.append((top, True))
+            stack.extend((i, False) for i in top.op.inputs if i.ref() not in memo)
+        return memo[t.ref()]
+
+
+def order_token(t):
+    """A scalar computed from ``t``, for a barrier to wait on where ``t``
+    itself cannot go through one (see :class:`SizedUnderXla`): one read
+    of a gradient the segment waits for, which XLA cannot fold away."""
+    graph = t.graph
+    with graph.as_default(), graph.name_scope(None), graph.control_dependencies(None), \
+            graph.device(t.op.device):
+        return tf.reduce_sum(t, name="memsave_order_token/" + t.op.name)
+
+
 def _pass_through_gradient(op, *grads):  # pylint: disable=unused-argument
     return list(grads)
 

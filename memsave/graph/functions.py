@@ -45,6 +45,11 @@ def has_bodies(op):
     return op.type in BODIES
 
 
+def is_cond(op):
+    """An ``If`` or a ``Case``, stateless or not."""
+    return BODIES.get(op.type) in (_IF, _CASE)
+
+
 def is_loop(op):
     """A ``While``: its gradient adds inputs to the forward loop (its accumulators),
     so an op may then read tensors made after it. (A call's or a cond's

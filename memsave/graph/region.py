@@ -98,12 +98,28 @@ def _refuse_v1_control_flow(ops):
             "tf.gradients for this graph." % ", ".join(found))
 
 
-def analyze(ys, xs):
+def pinned_under_xla(op):
+    """Whether XLA cannot compile a recomputation of ``op``: a cond or a case.
+
+    A cond's gradient reads integers its forward branches computed (a
+    gather's ``dense_shape``, a reshape's shape) as outputs of the forward
+    op, and XLA needs some of them as compile-time constants: it evaluates
+    them through the op's inputs, and a recomputed copy reads its inputs
+    through an optimization barrier, which XLA's evaluator does not
+    implement ("HloEvaluator does not implement the opt-barrier opcode ...
+    input 2 of UnsortedSegmentSum as a compile-time constant"). Kept where
+    they run, they read what plain backprop reads.
+    """
+    return functions.is_cond(op)
+
+
+def analyze(ys, xs, compiled=False):
     """Find the region between graph tensors ``xs`` and ``ys``.
 
     An x computed from another x (``tf.gradients(loss, [x, tanh(x)])``) is
     part of the region and a forced checkpoint: like ``tf.gradients``, its
     gradient is the total one, and it carries on to the xs below it.
+    ``compiled``: XLA compiles the step (see :func:`pinned_under_xla`).
     """
     graph = ys[0].graph
     behind_ys = backward_ops([y.op for y in ys])
@@ -112,7 +128,8 @@ def analyze(ys, xs):
     _refuse_v1_control_flow(ops)
     order = topo_order(ops)
     written = written_handles(graph, ops) if ops else {}
-    pinned = {op for op in order if is_pinned(op, written)}
+    pinned = {op for op in order
+              if is_pinned(op, written) or (compiled and pinned_under_xla(op))}
     forced, seen = [], set()
 
     def force(t):
