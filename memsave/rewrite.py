@@ -30,7 +30,8 @@ import tensorflow as tf
 from memsave import tf_internal
 from memsave.graph import backward_ops, copy_ops, functions, optable
 from memsave.graph.edit import SizedUnderXla, barrier, fence, joined_waits, order_token
-from memsave.graph.region import differentiable, in_place_closure, num_elements
+from memsave.graph.region import (differentiable, in_place_closure, num_elements,
+                                  sums_bias_in_half_precision)
 from memsave.graph.schedule import reducers_first
 from memsave.graph.walk import components, forward_ops
 
@@ -133,8 +134,8 @@ def differentiated_once(region, checkpoints):
     """``checkpoints``, and the outputs of each op that runs a user's gradient
     (see :func:`functions.runs_users_gradient`) or gives sparse rows (a
     gather, or a call or cond with one inside: see
-    :func:`functions.gives_sparse_rows`) which several segments would
-    differentiate.
+    :func:`functions.gives_sparse_rows`) or adds a bias in half precision,
+    which several segments would differentiate.
 
     An op recomputed in several segments is differentiated in each, with
     the part of its output gradient that segment's readers send, and the
@@ -156,10 +157,14 @@ def differentiated_once(region, checkpoints):
     (BERT at 1,024 tokens under 'speed': 139,264 iterations, an estimated
     24x plain's step time on an H100), and still not TensorFlow's rows.
     Kept, the gather gives one part, plain backprop's.
+
+    A half-precision bias add's gradient is summed in that dtype (see
+    :func:`~memsave.graph.region.sums_bias_in_half_precision`); summed per
+    segment, a Keras conv + attention model under mixed_bfloat16 got its
+    convolution's bias gradient 0.08 of the largest entry off plain's
+    (oneDNN off). Kept, it is summed once, over the whole output gradient.
     """
-    memo, sparse_memo = {}, {}
-    users = [op for op in region.order if op in region.copyable and (
-        functions.runs_users_gradient(op, memo) or functions.gives_sparse_rows(op, sparse_memo))]
+    users = _differentiate_once(region)
     if not users:
         return list(checkpoints)
     kept = list(checkpoints)
@@ -174,30 +179,48 @@ def differentiated_once(region, checkpoints):
             if outs and _segments_reaching(op, stop, ys, region) > 1:
                 kept.extend(outs)
                 stop.update(t.ref() for t in outs)
-                added.append((op, outs))
+                added.append((users[op], outs))
                 changed = True
     _say_kept(added)
     return kept
 
 
+# Why :func:`differentiated_once` keeps an op's outputs, as logged.
+_ONCE_WHY = {
+    "user": ("output(s) of ops whose gradient a user wrote (tf.custom_gradient, a gradient "
+             "override): such a gradient need not be linear in its output gradient, so it "
+             "runs once, on the whole of it"),
+    "rows": ("gather output(s): each segment's sparse gradient would add rows of the same "
+             "lookups, where plain backprop gives one row per lookup"),
+    "bias": ("half-precision bias add output(s): TF sums a bias gradient in that dtype, so "
+             "it runs once, on the whole output gradient, as in plain backprop"),
+}
+
+
+def _differentiate_once(region):
+    """``{op: why}`` (a key of :data:`_ONCE_WHY`) for the region's copyable
+    ops that must be differentiated in one segment only."""
+    memo, sparse_memo, found = {}, {}, {}
+    for op in region.order:
+        if op not in region.copyable:
+            continue
+        if functions.runs_users_gradient(op, memo):
+            found[op] = "user"
+        elif functions.gives_sparse_rows(op, sparse_memo):
+            found[op] = "rows"
+        elif sums_bias_in_half_precision(op):
+            found[op] = "bias"
+    return found
+
+
 def _say_kept(added):
-    """Log what :func:`differentiated_once` kept, ``[(op, its outputs kept)]``, and why."""
-    memo = {}
-    users = [t for op, outs in added if functions.runs_users_gradient(op, memo) for t in outs]
-    gathers = [t for op, outs in added if not functions.runs_users_gradient(op, memo)
-               for t in outs]
-    if users:
-        logger.info("memsave: %d more tensor(s) kept, output(s) of ops whose gradient a user "
-                    "wrote (tf.custom_gradient, a gradient override) that the plan would "
-                    "differentiate in several segments: such a gradient need not be linear in "
-                    "its output gradient, so it runs once, on the whole of it: %s",
-                    len(users), ", ".join(t.name for t in users[:5]))
-    if gathers:
-        logger.info("memsave: %d gather output(s) kept that the plan would differentiate in "
-                    "several segments: each segment's sparse gradient would add rows of the "
-                    "same lookups, where plain backprop gives one row per lookup: %s",
-                    len(gathers),
-                    ", ".join(t.name for t in gathers[:5]))
+    """Log what :func:`differentiated_once` kept, ``[(why, outputs kept)]``."""
+    for why, text in _ONCE_WHY.items():
+        kept = [t for reason, outs in added if reason == why for t in outs]
+        if kept:
+            logger.info("memsave: %d more tensor(s) kept that the plan would differentiate in "
+                        "several segments, %s: %s", len(kept), text,
+                        ", ".join(t.name for t in kept[:5]))
 
 
 def _segments_reaching(op, stop, ys, region):

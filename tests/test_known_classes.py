@@ -271,6 +271,34 @@ def test_half_precision_bias_gradients_are_summed_as_plain_sums_them(strategy, o
     assert RUNNERS[mode](BFLOAT16_BIAS, strategy, offload) <= 1e-2
 
 
+def _conv_bias_attention_bfloat16(ws):
+    """A bfloat16 convolution + bias add + relu read by a self-attention and
+    its residual (Conv2D -> Reshape -> MultiHeadAttention + residual under
+    mixed_bfloat16): plans recompute the convolution in the attention's
+    segment and in the residual's, and each summed a part of the bias
+    gradient in bfloat16 (0.08 of the largest entry off plain's, oneDNN off;
+    found by a helper breaking memsave)."""
+    kernel, bias, wq, wk, wv, wo = (tf.cast(w, tf.bfloat16) for w in ws)
+    x = tf.constant(np.random.RandomState(8).randn(8, 16, 16, 8), tf.bfloat16)
+    h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, kernel, 1, "SAME"), bias))
+    s = tf.reshape(h, [8, 256, 16])
+    scores = tf.matmul(s @ wq, s @ wk, transpose_b=True) / 16.0
+    out = (tf.nn.softmax(scores) @ (s @ wv)) @ wo + s
+    return tf.reduce_sum(tf.square(tf.cast(out, tf.float32))) * 100.0, ws, [s]
+
+
+BFLOAT16_BIAS_ATTENTION = _Case(
+    _weights(8, (3, 3, 8, 16), (16,), (16, 16), (16, 16), (16, 16), (16, 16), dtype=np.float32),
+    _conv_bias_attention_bfloat16)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_half_precision_bias_add_read_by_several_segments_is_differentiated_once(
+        strategy, mode):
+    assert RUNNERS[mode](BFLOAT16_BIAS_ATTENTION, strategy, None) <= 1e-2
+
+
 def _conv_bias_batch_norm_bfloat16(ws):
     """A bfloat16 convolution + bias add + relu, then a convolution + bias add
     into a training batch norm. Keeping the first bias add's output, its

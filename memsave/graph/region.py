@@ -419,6 +419,16 @@ def biased_in_half_precision(region):
     return names, sums
 
 
+def sums_bias_in_half_precision(op):
+    """Whether ``op`` is a half-precision ``BiasAdd``: TF's CPU kernel for
+    its gradient (BiasAddGrad, unfused) sums in that dtype, 0.75 of the
+    largest entry off the exact sum over 4,096 bfloat16 rows (a
+    ``reduce_sum`` or a matmul accumulates in float32: 2-7e-3). Summed
+    once per segment instead of once in all, the rounding is another one."""
+    return (op.type in ("BiasAdd", "BiasAddV1")
+            and op.outputs[0].dtype.base_dtype in _HALF_PRECISION)
+
+
 def _adds_a_bias(op, t):
     """Whether ``op`` adds a bias (one value per last-axis channel) to ``t``."""
     if op.type == "BiasAdd":
