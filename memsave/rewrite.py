@@ -605,7 +605,13 @@ class _Rewrite:
             reads.update((t.ref(), t) for t in own)
             swapped = self.swapper.swap_in(reads, self.wait)
             ledger.inserted(swapped.values())
-        read_as = {**self.shields, **swapped}
+        # A checkpoint made by an op copied for another of its outputs (one
+        # piece of a split kept, another recomputed) is read as kept, like
+        # any checkpoint, not as the copy's: the segment then asks for its
+        # gradient, which an x among them must get (tf.gradients(y, [piece,
+        # x]): the audit found it dropped).
+        kept_outputs = {t.ref(): t for op in ordered for t in op.outputs if t.ref() in stop}
+        read_as = {**kept_outputs, **self.shields, **swapped}
         barred = {}
         if self.barriers:
             barred = _barred_reads(ordered, self.stop, read_as, self.region, self.wait,

@@ -283,9 +283,11 @@ def _normalize(raw_ops):
 
 
 def ancestry(ops, losses=()):
-    """{name: set of names it depends on} for pool tensors and variables (no TF)."""
+    """{name: set of names it depends on} for pool tensors, the tensors an op
+    builds on the way (taken as depending on all of its operands) and
+    variables (no TF)."""
     deps = {"h0": set(), "h1": set()}
-    for _, (op, index, new_var, _, h) in _walk(ops):
+    for _, (op, index, new_var, inter, h) in _walk(ops):
         kind = op[0]
         positions = OPERANDS[kind]
         mine = set()
@@ -294,7 +296,9 @@ def ancestry(ops, losses=()):
             mine |= {src} | deps[src]
         if new_var is not None:
             mine.add(new_var[0])
-        deps[h] = mine
+        for name in inter:
+            deps[name] = set(mine)
+        deps[h] = mine | set(inter)
     return deps
 
 
@@ -336,8 +340,9 @@ def specs(draw, min_ops=5, max_ops=60, allow_dropout=True, max_checkpoints=8,
     grad_ys = draw(st.one_of(st.none(), st.tuples(*[st.sampled_from([1.0, 0.0, 0.5, -2.0])
                                                      for _ in range(n_ys)])))
 
-    # xs: mostly variables, sometimes inputs, pool tensors, or an unused variable.
-    hidden = ["h%d" % i for i in range(2, pool)]
+    # xs: mostly variables, sometimes inputs, pool tensors (or a tensor an op
+    # builds on the way: one piece of a split), or an unused variable.
+    hidden = [name for name in tensor_names(ops) if name not in ("h0", "h1")]
     candidates = variables + ["h0", "h1", "unused"]
     xs = draw(st.lists(st.one_of(st.sampled_from(candidates), st.sampled_from(hidden)),
                        min_size=1, max_size=6, unique=True))

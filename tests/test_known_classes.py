@@ -203,6 +203,34 @@ def test_keep_op_types_example_runs_in_float32():
             assert _worst(*sess.run([plain, ours])) <= 1e-5
 
 
+# ---------------------------------------------------------------- a piece of an op as an x
+
+def _split_piece_and_weight(ws):
+    """xs: one piece of a split (the other piece is read on) and the weight
+    before it. A segment recomputed the split for the other piece and read
+    the first through the copy, so its gradient never reached the x that
+    the piece is: the audit refused every strategy (found by a helper
+    breaking memsave)."""
+    w, v = ws
+    h = tf.constant(np.random.RandomState(17).randn(4, 6))
+    for _ in range(3):
+        h = tf.tanh(h @ w)
+    piece, other = tf.split(h, [3, 3], axis=1)
+    h = tf.concat([piece, other], 1)
+    for _ in range(3):
+        h = tf.tanh(h @ v)
+    return tf.reduce_sum(h ** 2), [piece, w], [h.op.inputs[0]]
+
+
+SPLIT_PIECE = _Case(_weights(17, (6, 6), (6, 6)), _split_piece_and_weight)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_x_that_is_one_output_of_a_recomputed_op_gets_its_gradient(strategy, mode):
+    assert RUNNERS[mode](SPLIT_PIECE, strategy, None) <= 1e-12
+
+
 # ---------------------------------------------------------------- waits on the ys
 
 def _kept_conv_then_bias(ws):
