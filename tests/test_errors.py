@@ -115,3 +115,40 @@ def test_forward_ops_are_untouched():
                            [c.name for c in op.control_inputs])
                  for op in graph.get_operations() if op.name in before}
     assert after == before
+
+
+def test_garbage_collector_is_paused_while_planning_and_restored():
+    """memsave turns Python's collector off while it plans and rewrites (its
+    full collections walk the whole traced graph) and restores the state it
+    found, also when planning fails; a collector the user turned off stays off."""
+    import gc  # pylint: disable=import-outside-toplevel
+    graph, loss, ws, hs = _chain_graph()
+    seen = []
+
+    def keep_one(plan_graph):
+        seen.append(gc.isenabled())
+        return [hs[2].name]
+
+    def broken(plan_graph):
+        raise RuntimeError("a strategy that fails")
+
+    assert gc.isenabled()
+    with graph.as_default():
+        grads = memsave.gradients(loss, ws, checkpoints=keep_one)
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(RuntimeError, match="a strategy that fails"):
+            memsave.gradients(loss, ws, checkpoints=broken)
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            memsave.gradients(loss, ws, checkpoints=keep_one)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        plain = tf.gradients(loss, ws)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got, want = sess.run([grads, plain])
+    scale = max(np.abs(w).max() for w in want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g / scale, w / scale, atol=1e-6)
