@@ -109,7 +109,7 @@ import tensorflow as tf
 
 from memsave import profile, tf_internal
 from memsave.errors import BudgetError
-from memsave.log import warn_once
+from memsave.log import size_text, warn_once
 from memsave.planning import registry
 from memsave.planning.simulate import simulate_peak
 
@@ -684,19 +684,19 @@ class Loop:
         smallest, promise = self.trace.smallest, self.trace.promise
         if smallest is None or promise is None:
             return error
-        mib, sizes = 2 ** 20, getattr(error, "sizes_note", "")
+        sizes = getattr(error, "sizes_note", "")
         if self.first is None:
             return BudgetError(
-                "no plan fits a budget of %.1f MiB: the smallest plan is estimated at %.1f "
-                "MiB%s%s" % (promise / mib, smallest / mib, "; offload='auto' may go lower "
-                             "on a GPU" if self.trace.offload_hint else "", sizes))
+                "no plan fits a budget of %s: the smallest plan is estimated at %s%s%s" % (
+                    size_text(promise), size_text(smallest), "; offload='auto' may go lower "
+                    "on a GPU" if self.trace.offload_hint else "", sizes))
         estimate, measured = self.first
         return BudgetError(
-            "no plan fits a budget of %.1f MiB on the allocator: the smallest plan would "
-            "measure at least about %.1f MiB (estimated %.1f MiB; the first plan was "
-            "estimated %.1f and measured %.1f MiB)%s" % (
-                promise / mib, self.would_measure(smallest, kinder=True) / mib,
-                smallest / mib, estimate / mib, measured / mib, sizes))
+            "no plan fits a budget of %s on the allocator: the smallest plan would "
+            "measure at least about %s (estimated %s; the first plan was "
+            "estimated %s and measured %s)%s" % (
+                size_text(promise), size_text(self.would_measure(smallest, kinder=True)),
+                size_text(smallest), size_text(estimate), size_text(measured), sizes))
 
 
 def _plan_on_trial(loop):

@@ -28,3 +28,14 @@ def reset_warnings():
     """Forget which once-only warnings were given (for tests)."""
     with _lock:
         _given.clear()
+
+
+def size_text(nbytes):
+    """``nbytes`` for a message: MiB from 1 MiB up (``"12.5 MiB"``), else KiB
+    or bytes, so that a small budget and its smallest plan do not both read
+    "0.0 MiB"."""
+    if nbytes >= 2 ** 20:
+        return "%.1f MiB" % (nbytes / 2 ** 20)
+    if nbytes >= 2 ** 10:
+        return "%.1f KiB" % (nbytes / 2 ** 10)
+    return "%d bytes" % nbytes

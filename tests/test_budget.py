@@ -512,6 +512,16 @@ def test_no_plan_fits_is_a_budget_error_before_the_step():
         step()
 
 
+def test_a_small_budget_that_no_plan_fits_is_said_in_kib():
+    """A budget under a MiB read "a budget of 0.0 MiB: ... estimated at 0.0 MiB"
+    (found by a helper trying memsave's API)."""
+    step = memsave.budgeted(_chain_step(2 ** 10))
+    with pytest.raises(memsave.BudgetError,
+                       match=r"budget of 1\.0 KiB: the smallest plan is estimated at [0-9.]+ (KiB|MiB)"):
+        step()
+    assert memsave.log.size_text(3) == "3 bytes" and memsave.log.size_text(2 ** 21) == "2.0 MiB"
+
+
 def test_a_budget_on_nominal_sizes_says_to_pass_the_batch_size():
     """A batch unknown where the step is built (a placeholder, a tf.data batch
     without drop_remainder) is planned on nominal sizes, whose bytes need not

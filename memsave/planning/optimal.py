@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from memsave.errors import BudgetError
+from memsave.log import size_text
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
@@ -547,12 +548,12 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
     chosen = _fastest_fitting(options, limit)
     if chosen is None:
         error = BudgetError(
-            "no plan fits a budget of %.1f MiB%s; the smallest estimated peak is %s "
-            "(plain: %.1f MiB)%s" % (
-                limit / 2**20, "" if cap is None else
+            "no plan fits a budget of %s%s; the smallest estimated peak is %s "
+            "(plain: %s)%s" % (
+                size_text(limit), "" if cap is None else
                 " recomputing at most %g%% of a training step" % (100 * max_recompute),
-                "%.1f MiB" % (min(p[0] for p in options) / 2**20) if options else "plain's",
-                plain / 2**20, "" if offload else "; offload='auto' may go lower on a GPU"))
+                size_text(min(p[0] for p in options)) if options else "plain's",
+                size_text(plain), "" if offload else "; offload='auto' may go lower on a GPU"))
         # For memsave.budget, which restates the error in the budget's terms.
         error.smallest = min((p[0] for p in options), default=None)
         error.offload_hint = not offload
