@@ -231,6 +231,32 @@ def test_an_x_that_is_one_output_of_a_recomputed_op_gets_its_gradient(strategy, 
     assert RUNNERS[mode](SPLIT_PIECE, strategy, None) <= 1e-12
 
 
+def _split_piece_alone(ws):
+    """xs: one piece of a split and a weight after it, nothing before the
+    split: tf.gradients does not differentiate the split (it makes an x and
+    reads nothing downstream of one), so the gradient an add sends to the
+    other piece goes no further. The audit counted that edge as one memsave
+    must carry and refused the rewrite (found by the fuzzer)."""
+    u, v = ws
+    h = tf.tanh(tf.constant(np.random.RandomState(18).randn(4, 6)))
+    piece, other = tf.split(h, [3, 3], axis=1)
+    rest = tf.tanh(tf.concat([piece, piece * 2.0], 1) @ u)
+    h = other + rest
+    for _ in range(3):
+        h = tf.tanh(h @ v)
+    return tf.reduce_sum(h ** 2), [piece, v], [rest]
+
+
+SPLIT_PIECE_ALONE = _Case(_weights(18, (6, 3), (3, 3)), _split_piece_alone)
+
+
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_x_whose_op_is_not_differentiated_sends_nothing_through_its_other_outputs(
+        strategy, mode):
+    assert RUNNERS[mode](SPLIT_PIECE_ALONE, strategy, None) <= 1e-12
+
+
 # ---------------------------------------------------------------- waits on the ys
 
 def _kept_conv_then_bias(ws):

@@ -199,7 +199,9 @@ class _Flow:
 
     ``edges`` lists ``(input tensor, op, input index)`` for each op that
     sends gradient to its inputs, for inputs that carry gradient and lie
-    between xs and ys (or are xs). ``sending`` is the set of those ops.
+    between xs and ys (or are xs), but not the other outputs of an op that
+    makes an x and is not differentiated (:meth:`_stops`). ``sending`` is
+    the set of those ops.
     """
 
     def __init__(self, ys, xs, stops, limit):
@@ -218,8 +220,7 @@ class _Flow:
             self.seeded.append(self.reached(y.op))
         while heap:
             _, op = heapq.heappop(heap)
-            stopped = op in stop_ops or (op in self._from and not any(
-                self.reached(t.op) for t in op.inputs))
+            stopped = op in stop_ops or self._stops(op)
             if not (tf_internal.is_function_call(op) or (not stopped and _has_gradient(op))):
                 continue
             self.sending.add(op)
@@ -227,7 +228,9 @@ class _Flow:
                 if not carries_gradient(t):
                     continue
                 between = self.reached(t.op)
-                if not (between or t.ref() in self.xs):
+                if not (t.ref() in self.xs or (between and not self._stops(t.op))):
+                    # Into another output of an x's op that sends nothing on
+                    # (one piece of a split as an x): TF computes it, and drops it.
                     continue
                 self.edges.append((t, op, i))
                 if between and t.op not in active:
@@ -244,7 +247,13 @@ class _Flow:
         if i >= len(op.inputs):
             return True   # an input TensorFlow added to another image of the op
         t = op.inputs[i]
-        return t.ref() in self.xs or self.reached(t.op)
+        return t.ref() in self.xs or (self.reached(t.op) and not self._stops(t.op))
+
+    def _stops(self, op):
+        """Whether ``op`` makes an x and reads nothing downstream of one:
+        tf.gradients does not differentiate it (its 'stop ops'), so what
+        arrives at its other outputs goes no further."""
+        return op in self._from and not any(self.reached(t.op) for t in op.inputs)
 
     def reached(self, op):
         """Whether ``op`` is downstream of an x's op (TensorFlow's 'reached'),
