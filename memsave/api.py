@@ -1,7 +1,5 @@
 """Public entry points: drop-in replacements for ``tf.gradients``."""
 
-import contextlib
-import gc
 import logging
 import threading
 
@@ -223,38 +221,15 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kw
                 "gradients); it would not see memsave's recomputed ops, so plain "
                 "tf.gradients is used for this call"))
             return plain()
-        with collection_paused():
-            region = analyze(ys, xs, compiled)
-            if not region.ops:
-                logger.warning("memsave: none of the ys depends on the xs; gradients are None")
-                return plain()
-            chosen = plan_region(region, settings, compiled)
-            logger.info("%s", chosen.summary())
-            if _plain_is_better(chosen, settings):
-                return plain()
-            return _rewritten(region, chosen, settings, grad_ys, compiled, name,
-                              tf_gradients_kwargs)
-
-
-@contextlib.contextmanager
-def collection_paused():
-    """Python's cyclic garbage collector off while memsave plans and rewrites
-    (if it was on), and back on after.
-
-    Planning and the rewrite allocate many short-lived objects, which start
-    full collections; each walks every object of the process, the traced
-    graph and the model included: 0.4-0.5 s of EfficientNetB0's 6 s trace
-    (plain's trace makes none). What becomes garbage meanwhile is collected
-    once the collector is back on.
-    """
-    was_on = gc.isenabled()
-    if was_on:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
+        region = analyze(ys, xs, compiled)
+        if not region.ops:
+            logger.warning("memsave: none of the ys depends on the xs; gradients are None")
+            return plain()
+        chosen = plan_region(region, settings, compiled)
+        logger.info("%s", chosen.summary())
+        if _plain_is_better(chosen, settings):
+            return plain()
+        return _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_kwargs)
 
 
 def _plain_is_better(chosen, settings):
