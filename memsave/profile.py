@@ -86,6 +86,10 @@ class PeakBreakdown:
     their bytes. ``scratch``: ``(op, bytes)`` over the whole call, largest
     first: the most each op held at once beyond its outputs (its
     temporaries; an unnamed buffer counts for the last op named before it).
+    ``slack``: bytes of the live chunks beyond what their ops asked for: the
+    BFC allocator hands out a free chunk whole when it is under twice the
+    request, so a 4 MiB tensor can hold a 7.6 MiB chunk, depending on what
+    the kernels before it freed (their scratch differs between CPUs).
     """
 
     peak: int
@@ -93,6 +97,7 @@ class PeakBreakdown:
     live: tuple
     unnamed: int
     scratch: tuple = ()
+    slack: int = 0
 
     def summary(self, top=10):
         mib = 2 ** 20
@@ -105,6 +110,9 @@ class PeakBreakdown:
         if len(self.live) > top:
             rest = sum(row[2] for row in self.live[top:])
             lines.append("  %9.2f MiB  %d more" % (rest / mib, len(self.live) - top))
+        if self.slack:
+            lines.append("  of which %.2f MiB chunk slack (chunks larger than asked for)"
+                         % (self.slack / mib))
         return "\n".join(lines)
 
 
@@ -204,7 +212,8 @@ def _at_peak(events, base):
             op, kind = stats.get("tf_op") or None, stats.get("region_type") or None
             # An unnamed buffer is the scratch of the last op named before it.
             owner = (op or named_last) if op is None or kind != "output" else None
-            live[addr] = (op, kind, int(stats["allocation_bytes"]), owner)
+            live[addr] = (op, kind, int(stats["allocation_bytes"]), owner,
+                          int(stats.get("requested_bytes", stats["allocation_bytes"])))
             named_last = op or named_last
             if owner is not None:
                 scratch[owner] += live[addr][2]
@@ -218,7 +227,8 @@ def _at_peak(events, base):
             peak, at_peak = in_use, dict(live)
             at = (stats.get("tf_op") or None) if allocated else None
     grouped = collections.defaultdict(lambda: [0, 0])
-    for op, kind, nbytes, _ in at_peak.values():
+    slack = sum(max(0, nbytes - asked) for _, _, nbytes, _, asked in at_peak.values())
+    for op, kind, nbytes, _, _ in at_peak.values():
         grouped[(op, kind)][0] += nbytes
         grouped[(op, kind)][1] += 1
     rows = sorted(((op, kind, n, c) for (op, kind), (n, c) in grouped.items()),
@@ -227,7 +237,7 @@ def _at_peak(events, base):
     by_op = tuple(sorted(((op, n) for op, n in most.items() if n > 0 and op is not None),
                          key=lambda item: (-item[1], item[0])))
     return PeakBreakdown(peak=max(0, peak - base), at=at, live=tuple(rows), unnamed=unnamed,
-                         scratch=by_op)
+                         scratch=by_op, slack=slack)
 
 
 def session_step(session, fetches, feed_dict=None):
