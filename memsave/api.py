@@ -86,11 +86,6 @@ def _tf_gradients_options(kwargs):
 
 
 def _validate(ys, xs, grad_ys):
-    if not ys:
-        raise ValueError("memsave.gradients: ys is empty")
-    if not xs:
-        raise ValueError("memsave.gradients: xs is empty; pass the tensors or variables "
-                         "to differentiate with respect to")
     for y in ys:
         _check_graph_tensor(y, "ys")
     graph = ys[0].graph
@@ -185,6 +180,11 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kw
     """:func:`gradients` with resolved :class:`~memsave.settings.Settings` (tapes, patch)."""
     ys, xs, grad_ys = _as_ys(ys), _as_list(xs), _as_list(grad_ys)
     tf_gradients_kwargs = _tf_gradients_options(tf_gradients_kwargs)
+    if not ys or not xs:
+        # Nothing to rewrite (a model with no trainable weights, a loss of no
+        # terms): what tf.gradients gives, [] or one None (or zeros) per x.
+        return tf_internal.gradients_helper(ys or [], xs or [], grad_ys, name=name,
+                                            **tf_gradients_kwargs)
     graph = _validate(ys, xs, grad_ys)
     compiled = compiled_by_xla(settings.xla, graph)
     if compiled:
@@ -389,6 +389,9 @@ def plan(ys, xs, *, checkpoints="optimal", **options):
     """The plan :func:`gradients` would execute with these options, without rewriting anything."""
     settings = resolve(checkpoints, options, "memsave.plan")
     ys, xs = _as_ys(ys), _as_list(xs)
+    if not ys or not xs:
+        return Plan(settings.checkpoints.label, [], notes=["no %s: nothing to differentiate"
+                                                           % ("ys" if not ys else "xs")])
     graph = _validate(ys, xs, None)
     compiled = compiled_by_xla(settings.xla, graph)
     with graph.as_default():

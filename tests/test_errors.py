@@ -28,10 +28,18 @@ def test_tensors_from_two_graphs():
         memsave.gradients(loss, other_ws, checkpoints="speed")
 
 
-def test_empty_xs():
-    _, loss, _, _ = _chain_graph()
-    with pytest.raises(ValueError, match="xs is empty"):
-        memsave.gradients(loss, [], checkpoints="speed")
+def test_empty_xs_or_ys_give_what_tf_gradients_gives():
+    """A model with no trainable weights, or a loss of no terms, under
+    memsave.patch: tf.gradients gives [] or a None (zeros) per x, not an error."""
+    graph, loss, ws, _ = _chain_graph()
+    with graph.as_default():
+        assert memsave.gradients(loss, [], checkpoints="speed") == tf.gradients(loss, []) == []
+        assert memsave.gradients([], ws) == [None] * len(ws)
+        zeros = memsave.gradients([], ws[:1], unconnected_gradients="zero")
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            assert (sess.run(zeros[0]) == 0).all()
+        assert memsave.plan(loss, []).kept == [] and memsave.plan([], ws).kept == []
 
 
 def test_unknown_strategy():

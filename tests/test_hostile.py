@@ -151,15 +151,6 @@ def test_xs_that_are_not_tensors(bad, match):
         memsave.gradients(loss, [bad], checkpoints="speed")
 
 
-def test_empty_ys_and_xs():
-    graph, _, ws, _, loss = _chain()
-    with graph.as_default():
-        with pytest.raises(ValueError, match="ys is empty"):
-            memsave.gradients([], ws)
-        with pytest.raises(ValueError, match="xs is empty"):
-            memsave.gradients(loss, [])
-
-
 def test_ys_not_a_tensor():
     graph, _, ws, _, _ = _chain()
     with graph.as_default(), pytest.raises(TypeError, match="ys must hold tensors"):
