@@ -202,11 +202,11 @@ def test_recomputed_call_reading_a_variable_through_an_identity(monkeypatch):
 
     pinned = region.is_pinned
 
-    def through_identities_unseen(op, written=None):
+    def through_identities_unseen(op, written=None, facts=None):
         if op.type in stateful.FUNCTION_CALLS and any(
                 t.dtype == tf.resource and t.op.type == "Identity" for t in op.inputs):
             return False
-        return pinned(op, written)
+        return pinned(op, written, facts)
     monkeypatch.setattr(region, "is_pinned", through_identities_unseen)
     _read_after_write_caught_then_wrong(monkeypatch, "call_through_an_identity",
                                         r"is recomputed after .*AssignAdd.* may have written")
@@ -335,8 +335,8 @@ def test_recomputed_op_that_differs_when_run_again(monkeypatch, case, op_type):
     audit refuses a plan that recomputes one."""
     from tests import test_known_classes as known  # pylint: disable=C0415
     pinned = region.is_pinned
-    monkeypatch.setattr(region, "is_pinned", lambda op, written=None: (
-        op.type != op_type and pinned(op, written)))
+    monkeypatch.setattr(region, "is_pinned", lambda op, written=None, facts=None: (
+        op.type != op_type and pinned(op, written, facts)))
     # A list keeps only what is above the pool or glimpse; 'memory' keeps the
     # buffer InplaceAdd writes into.
     case, strategy = ((known.INPUT_WRITTEN_IN_PLACE, "memory") if case == "input_written_in_place"
@@ -381,14 +381,15 @@ def test_recomputed_read_of_a_reference_variable_written_in_place(monkeypatch, r
     from tests.test_known_classes import written_in_place  # pylint: disable=C0415
     pinned = region.is_pinned
 
-    def pinned_but_not_for_references(op, written=None):
-        # The planner's protection off; the audit's (stateful.ref_variables) on.
-        reads = stateful.ref_variables
-        stateful.ref_variables = lambda t: []
+    def pinned_but_not_for_references(op, written=None, facts=None):
+        # The planner's protection off (it sees no reference variable behind
+        # any input); the audit's (stateful.ref_variables) on.
+        facts_of = stateful.BufferFacts.of
+        stateful.BufferFacts.of = lambda self, t: ((), facts_of(self, t)[1])
         try:
-            return pinned(op, written)
+            return pinned(op, written, facts)
         finally:
-            stateful.ref_variables = reads
+            stateful.BufferFacts.of = facts_of
     monkeypatch.setattr(region, "is_pinned", pinned_but_not_for_references)
 
     def run():

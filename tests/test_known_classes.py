@@ -1091,3 +1091,43 @@ def test_eager_constant_as_an_x_inside_tf_function():
 
     plain, ours = step()
     assert _worst(plain, ours) <= 1e-12
+
+
+def test_buffer_facts_agree_with_the_walk_through_chains_and_tf1_loops():
+    """BufferFacts works out each tensor's possible buffers once from its
+    inputs' (a DenseNet's concatenations, each of which may hand on the
+    previous one, made the walk per tensor quadratic in depth) and gives what
+    walking each tensor gives: reference variables behind identities,
+    reshapes and concatenations, an in-place write behind a reshape, and a
+    TF1 while loop, whose Merge may share a buffer with itself."""
+    from memsave.graph import stateful   # pylint: disable=import-outside-toplevel
+    graph = tf.Graph()
+    with graph.as_default():
+        s = tf.compat.v1.Variable(np.ones(4), use_resource=False)
+        h = tf.reshape(tf.identity(s), [1, 4])
+        written = tf.constant(np.ones((2, 4)))
+        tf.raw_ops.InplaceUpdate(x=written, i=[0], v=tf.ones([1, 4], tf.float64))
+        features = [tf.tanh(h), tf.reshape(written, [2, 4])]
+        for _ in range(60):
+            features.append(tf.concat([features[-1], tf.tanh(features[-1][:1])], axis=0))
+        was_v2 = tf.compat.v1.control_flow_v2_enabled()
+        tf.compat.v1.disable_control_flow_v2()
+        try:
+            loop = tf.compat.v1.while_loop(lambda i, x: i < 3,
+                                           lambda i, x: (i + 1, tf.identity(x)),
+                                           [tf.constant(0), tf.identity(s)])
+        finally:
+            if was_v2:
+                tf.compat.v1.enable_control_flow_v2()
+        tensors = [t for op in graph.get_operations() for t in op.outputs]
+    facts = stateful.BufferFacts()
+
+    def walked(t):
+        return stateful.BufferFacts._walked(t)   # pylint: disable=protected-access
+    for t in tensors:
+        assert facts.of(t) == walked(t), t.name
+    assert facts.of(features[-1])[1] and not facts.of(features[-1])[0]
+    assert [r.op.name for r in facts.of(h)[0]] == [s.op.name]
+    assert [r.op.name for r in stateful.ref_variables(loop[1])] == [s.op.name]
+    # The loop's Merge reaches itself through the body's identity: walked whole.
+    assert stateful.BufferFacts()._derived(loop[1]) is None   # pylint: disable=W0212

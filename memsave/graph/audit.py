@@ -622,7 +622,7 @@ def _is_stateful(op_type):
 def _recomputed_values_may_differ(ledger, region):
     out = []
     by_creation = tf_internal.orders_stateful_ops_by_creation(ledger.graph)
-    downstream = None
+    downstream, facts = None, stateful.BufferFacts()
     for copy, original in ledger.copy_of.items():
         if _has_effects(original):
             out.append("%s (%s) is recomputed, but running it again may not give the same "
@@ -634,7 +634,7 @@ def _recomputed_values_may_differ(ledger, region):
         # A TF1 reference variable, written in place, is read through any
         # input that may share its buffer.
         reads = [(ref, stateful.ref_writers(ref)) for h in original.inputs
-                 for ref in stateful.ref_variables(h)]
+                 for ref in stateful.ref_variables(h, facts)]
         for h in original.inputs:
             if h.dtype != tf.resource or original.type in stateful.FORWARDS_HANDLE:
                 continue   # an identity of a handle forwards it, reading nothing

@@ -18,7 +18,7 @@ from memsave import tf_internal
 from memsave.errors import V1ControlFlowError
 from memsave.graph import functions, optable
 from memsave.graph.optable import grad_reads
-from memsave.graph.stateful import is_pinned, written_handles
+from memsave.graph.stateful import BufferFacts, is_pinned, written_handles
 from memsave.graph.walk import backward_ops, carries_gradient, forward_ops, topo_order
 from memsave.planning.dag import PlanGraph
 
@@ -128,8 +128,9 @@ def analyze(ys, xs, compiled=False):
     _refuse_v1_control_flow(ops)
     order = topo_order(ops)
     written = written_handles(graph, ops) if ops else {}
+    facts = BufferFacts()
     pinned = {op for op in order
-              if is_pinned(op, written) or (compiled and pinned_under_xla(op))}
+              if is_pinned(op, written, facts) or (compiled and pinned_under_xla(op))}
     forced, seen = [], set()
 
     def force(t):

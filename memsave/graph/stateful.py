@@ -129,15 +129,14 @@ def _buffer_sources(t):
             stack.extend(reversed(t.op.inputs))
 
 
-def written_in_place(t):
+def written_in_place(t, facts=None):
     """Whether an op declared stateless writes the buffer ``t`` may be
     (:data:`WRITE_THEIR_INPUT`, e.g. ``InplaceUpdate`` on a kept matmul
     output): a copy reading it after that write would see the new values."""
-    return any(c.type in WRITE_THEIR_INPUT and c.inputs[0] is s
-               for s in _buffer_sources(t) for c in s.consumers())
+    return (facts or BufferFacts()).of(t)[1]
 
 
-def ref_variables(t):
+def ref_variables(t, facts=None):
     """The TF1 reference variables (their variable ops' ref tensors) whose
     buffer ``t`` may be, in the order found: a ref (the variable's, or one
     an assign returns) is its variable's; its snapshot read (an Identity)
@@ -145,13 +144,83 @@ def ref_variables(t):
     copy reading it sees; and so may any op that can hand an input's buffer
     on (``tf.identity(v)``, a reshape, a full slice: see
     :func:`_buffer_sources`)."""
-    found = []
-    for s in _buffer_sources(t):
-        if _is_ref(s):
-            root = _ref_root(s)
-            if all(root is not f for f in found):
-                found.append(root)
-    return found
+    return list((facts or BufferFacts()).of(t)[0])
+
+
+class BufferFacts:
+    """:func:`ref_variables` and :func:`written_in_place` of tensors of one
+    graph as it stands, each tensor's worked out once from its inputs'.
+
+    Walked afresh per tensor, the buffers behind a DenseNet's concatenations
+    (each may hand on the previous one's) made the analysis quadratic in
+    depth. Where the walk meets a cycle (a TF1 loop's Merge and
+    NextIteration) the tensor is walked whole and nothing is remembered.
+    """
+
+    def __init__(self):
+        self._known = {}   # ref -> (ref variables found, written in place)
+
+    def of(self, t):
+        """``(ref variables, written in place)`` of ``t``'s possible buffers."""
+        found = self._known.get(t.ref())
+        if found is None:
+            fresh = self._derived(t)
+            if fresh is None:   # a cycle: the whole walk, as it was
+                found = self._walked(t)
+            else:
+                self._known.update(fresh)
+                found = fresh[t.ref()]
+        return found
+
+    def _derived(self, t):
+        """The facts of ``t`` and of the tensors it may share a buffer with
+        that are not known yet, each from its own and its inputs'; None where
+        a tensor may share a buffer with itself."""
+        fresh, open_ = {}, set()
+        stack = [(t, False)]
+        while stack:
+            u, inputs_done = stack.pop()
+            key = u.ref()
+            if key in self._known or key in fresh:
+                continue
+            inputs = _shared_inputs(u)
+            if not inputs_done:
+                if key in open_:
+                    return None
+                open_.add(key)
+                stack.append((u, True))
+                stack.extend((i, False) for i in reversed(inputs))
+                continue
+            open_.discard(key)
+            roots = [_ref_root(u)] if _is_ref(u) else []
+            written = _written_directly(u)
+            for i in inputs:
+                i_roots, i_written = self._known.get(i.ref()) or fresh[i.ref()]
+                roots.extend(r for r in i_roots if all(r is not f for f in roots))
+                written = written or i_written
+            fresh[key] = (tuple(roots), written)
+        return fresh
+
+    @staticmethod
+    def _walked(t):
+        roots = []
+        for s in _buffer_sources(t):
+            if _is_ref(s):
+                root = _ref_root(s)
+                if all(root is not f for f in roots):
+                    roots.append(root)
+        return tuple(roots), any(_written_directly(s) for s in _buffer_sources(t))
+
+
+def _shared_inputs(t):
+    """The inputs whose buffer ``t`` may be (see :func:`_buffer_sources`)."""
+    if _is_ref(t) or t.op.type not in optable.MAY_SHARE_INPUT:
+        return ()
+    return tuple(t.op.inputs)
+
+
+def _written_directly(t):
+    return any(c.type in WRITE_THEIR_INPUT and c.inputs[0] is t for c in t.consumers())
 
 
 def _ref_root(ref):
@@ -309,18 +378,19 @@ def _orders_by_creation(graph):
     return tf_internal.orders_stateful_ops_by_creation(graph)
 
 
-def is_pinned(op, written=None):
+def is_pinned(op, written=None, facts=None):
     """True if ``op`` must not be recomputed.
 
     ``written`` is :func:`written_handles`' map; a control-flow or call op
-    reading a variable that a later op writes is pinned.
+    reading a variable that a later op writes is pinned. ``facts``: a
+    :class:`BufferFacts` shared by the calls on one graph.
     """
     if never_run_twice(op.type, op.node_def.attr):
         return True
     if op.type == FEEDABLE and not isinstance(op.graph, tf_internal.FuncGraph):
         return True
-    written = written or {}
-    if any(ref_variables(t) or written_in_place(t) for t in op.inputs):
+    written, facts = written or {}, facts or BufferFacts()
+    if any(roots or written_now for roots, written_now in map(facts.of, op.inputs)):
         # A TF1 reference variable's buffer: an assign in place after the
         # forward read, which may be made after the gradients (an optimizer's
         # apply, fetched in the same run), changes what a copy would read
