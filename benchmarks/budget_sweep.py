@@ -24,7 +24,8 @@ is a question of its own. Here, in one process per model (the zoo's step,
    process, as a budget loop's plans do, so a peak includes what the
    allocator's earlier chunks cost it (BFC uses a free chunk under twice a
    request whole: a GPT2 plan at 1,024 tokens measured 408 MiB here and 336
-   alone in a fresh process);
+   alone in a fresh process); one more call runs under the profiler, to
+   tell the tensors at its peak from the allocator's chunk slack;
 4. for each budget, a fraction of plain's measured peak: the plans whose
    measured peak is at most the budget, the closest of them, and whether
    one lies within 10% below it, beside where the zoo's loop settled (the
@@ -37,6 +38,7 @@ Writes ``benchmarks/results/budget_sweep.{json,md}``.
 import argparse
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -54,6 +56,7 @@ BAND = 0.10          # "within 10% below" the budget
 AIM = budget_loop.AIM              # the most of it a budget loop keeps a plan at
 CALLS = budget_loop.MEASURED_CALLS  # measured calls per plan, the largest taken
 LANDING_SECTION, PLANS_SECTION = "Where budgets land", "Plans"
+ERROR_SECTION = "What a plan's measured peak is made of"
 
 
 def _targets(lowest, highest, step):
@@ -66,7 +69,7 @@ def child(name, quick, targets):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import memsave  # pylint: disable=import-outside-toplevel
-    from memsave.profile import measured_call  # pylint: disable=import-outside-toplevel
+    from memsave.profile import measured_call, profiled_call  # pylint: disable=C0415
     from benchmarks import zoo  # pylint: disable=import-outside-toplevel
 
     batch, size = (zoo.QUICK_SIZES if quick else zoo.SIZES)[name]
@@ -75,8 +78,18 @@ def child(name, quick, targets):
     labels, weights = tf.constant(y), model.trainable_variables
 
     def measured(step):
+        """The largest peak of CALLS calls, and what one more call's peak is made
+        of: tensors (outputs ops asked for), the allocator's chunk slack, the
+        rest (kernel scratch); MiB, empty where the profiler is unavailable."""
         step()   # traced, Grappler, one-time allocations
-        return max(measured_call(step)[1] for _ in range(CALLS))
+        peak = max(measured_call(step)[1] for _ in range(CALLS))
+        breakdown = profiled_call(step, strict=False)[1]
+        if breakdown is None:
+            return peak, {}
+        outputs = sum(n for op, kind, n, _ in breakdown.live if op is not None and kind == "output")
+        return peak, dict(tensors_mib=(outputs - breakdown.slack) / MIB,
+                          slack_mib=breakdown.slack / MIB,
+                          scratch_mib=max(0, breakdown.peak - outputs) / MIB)
 
     @tf.function
     def plain():
@@ -84,7 +97,7 @@ def child(name, quick, targets):
             loss = loss_fn(labels, model(inputs, training=True))
         return [g for g in tape.gradient(loss, weights) if g is not None]
 
-    plain_peak = measured(plain)
+    plain_peak, plain_parts = measured(plain)
     plans, seen = [], {}
 
     @tf.function
@@ -120,9 +133,12 @@ def child(name, quick, targets):
                     if g is not None]
 
         plan["checkpoints"] = len(kept)
-        plan["measured_mib"] = measured(step) / MIB
+        peak, parts = measured(step)
+        plan["measured_mib"] = peak / MIB
+        plan.update(parts)
         del step
-    return dict(model=name, batch=batch, size=size, plain_mib=plain_peak / MIB, plans=plans)
+    return dict(model=name, batch=batch, size=size, plain_mib=plain_peak / MIB, plans=plans,
+                plain_parts=plain_parts)
 
 
 def landing(result, fraction):
@@ -181,6 +197,7 @@ def markdown(results, budgets, zoo_rows, machine):
                                    / land["budget_mib"]) if best else "none",
                 "yes" if land["exists"] else "no", "yes" if land["in_kept_band"] else "no",
                 land["lowest_mib"], settled))
+    lines += _error_table(results)
     lines += ["", "**%s**" % PLANS_SECTION, "",
               "Each model's plans (estimated → measured MiB, recomputed share of a step):", ""]
     for result in results:
@@ -192,6 +209,45 @@ def markdown(results, budgets, zoo_rows, machine):
                                        else " (%.0f%%)" % (100 * p["recompute"]))
                       for p in plans)))
     return "\n".join(lines) + "\n"
+
+
+def _spread(values, fmt="%.2f"):
+    """'median (min-max)' of ``values``."""
+    values = sorted(values)
+    return (fmt + " (" + fmt + "-" + fmt + ")") % (statistics.median(values), values[0], values[-1])
+
+
+def _error_table(results):
+    """Per model whose plans were profiled: the tensors at a plan's measured
+    peak against its estimate, the allocator's chunk slack, the kernels'
+    temporaries, and the measured peak against the estimate, over its plans
+    (the lowest plan apart)."""
+    profiled = [r for r in results if r["plans"] and all("slack_mib" in p for p in r["plans"])]
+    if not profiled:
+        return []
+    lines = ["", "**%s**" % ERROR_SECTION, "",
+             "One more call of each plan under the profiler: the tensors alive at its "
+             "peak (what ops asked for) against the plan's estimate, the allocator's "
+             "chunk slack (BFC hands out a free chunk under twice a request whole), "
+             "the rest (kernels' temporaries), and the measured peak against the "
+             "estimate; median (range) over the plans but the lowest, which is given "
+             "apart.", "",
+             "| model | plans | tensors vs estimate | slack MiB | temporaries MiB | "
+             "measured vs estimate | lowest plan: tensors vs estimate, slack MiB | "
+             "plain: slack MiB |",
+             "|---|---:|---|---|---|---|---|---:|"]
+    for r in profiled:
+        plans = sorted(r["plans"], key=lambda p: p["estimated_mib"])
+        lowest, rest = plans[0], plans[1:] or plans
+        lines.append("| %s | %d | %s | %s | %s | %s | %.2f, %.1f | %s |" % (
+            r["model"], len(plans),
+            _spread([p["tensors_mib"] / p["estimated_mib"] for p in rest]),
+            _spread([p["slack_mib"] for p in rest], "%.1f"),
+            _spread([max(0.0, p["scratch_mib"]) for p in rest], "%.1f"),
+            _spread([p["measured_mib"] / p["estimated_mib"] for p in rest]),
+            lowest["tensors_mib"] / lowest["estimated_mib"], lowest["slack_mib"],
+            "%.1f" % r["plain_parts"]["slack_mib"] if r.get("plain_parts") else ""))
+    return lines
 
 
 def _run_child(name, quick, targets):
@@ -254,6 +310,8 @@ def main(argv=None):
         ran = {r["model"] for r in results}
         results = [r for r in json.loads(stored.read_text())["results"]
                    if r["model"] not in ran] + results
+        order = {name: i for i, name in enumerate(MODELS)}
+        results.sort(key=lambda r: order.get(r["model"], len(order)))
     text = markdown(results, budgets, _zoo_rows(out / (args.zoo + ".json")),
                     _machine_line(machine))
     cli.write(out, stem, {"machine": machine, "budgets": budgets, "results": results}, text)

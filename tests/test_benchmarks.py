@@ -253,6 +253,7 @@ def test_budget_sweep_lands_budgets_on_measured_plans():
 
 @pytest.mark.slow   # about a minute: a small keras-hub GPT2, a plan per distinct kept set
 def test_budget_sweep_benchmark_quick(tmp_path):
+    from benchmarks import budget_sweep   # pylint: disable=import-outside-toplevel
     stdout = _run(["benchmarks.budget_sweep", "--quick", "--models", "GPT2", "--step", "0.1",
                    "--budgets", "0.7"], tmp_path)
     data = json.loads((tmp_path / "budget_sweep_quick.json").read_text())
@@ -260,4 +261,8 @@ def test_budget_sweep_benchmark_quick(tmp_path):
     assert result["plain_mib"] > 0 and len(result["plans"]) >= 3
     for plan in result["plans"]:
         assert plan["measured_mib"] > 0 and plan["estimated_mib"] > 0 and plan["targets"]
+        # What its peak is made of: tensors and slack within the profiled call's peak.
+        assert 0 < plan["tensors_mib"] and 0 <= plan["slack_mib"]
+        assert plan["tensors_mib"] + plan["slack_mib"] <= 1.25 * plan["measured_mib"]
     assert "| GPT2 | %d | 0.7 × plain |" % len(result["plans"]) in stdout
+    assert "| GPT2 | %d | " % len(result["plans"]) in stdout.split(budget_sweep.ERROR_SECTION)[1]
