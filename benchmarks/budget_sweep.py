@@ -80,7 +80,9 @@ def child(name, quick, targets):
     def measured(step):
         """The largest peak of CALLS calls, and what one more call's peak is made
         of: tensors (outputs ops asked for), the allocator's chunk slack, the
-        rest (kernel scratch); MiB, empty where the profiler is unavailable."""
+        rest (temporaries: kernel scratch, and Einsum's result, which it
+        allocates as one and hands on); MiB, empty where the profiler is
+        unavailable."""
         step()   # traced, Grappler, one-time allocations
         peak = max(measured_call(step)[1] for _ in range(CALLS))
         breakdown = profiled_call(step, strict=False)[1]
@@ -219,9 +221,9 @@ def _spread(values, fmt="%.2f"):
 
 def _error_table(results):
     """Per model whose plans were profiled: the tensors at a plan's measured
-    peak against its estimate, the allocator's chunk slack, the kernels'
-    temporaries, and the measured peak against the estimate, over its plans
-    (the lowest plan apart)."""
+    peak against its estimate, the allocator's chunk slack, the allocations
+    made as temporaries, and the measured peak against the estimate, over
+    its plans (the lowest plan apart)."""
     profiled = [r for r in results if r["plans"] and all("slack_mib" in p for p in r["plans"])]
     if not profiled:
         return []
@@ -229,9 +231,10 @@ def _error_table(results):
              "One more call of each plan under the profiler: the tensors alive at its "
              "peak (what ops asked for) against the plan's estimate, the allocator's "
              "chunk slack (BFC hands out a free chunk under twice a request whole), "
-             "the rest (kernels' temporaries), and the measured peak against the "
-             "estimate; median (range) over the plans but the lowest, which is given "
-             "apart.", "",
+             "the rest (allocations made as temporaries: kernels' scratch, and "
+             "results some kernels hand on as outputs, Einsum's), and the measured "
+             "peak against the estimate; median (range) over the plans but the "
+             "lowest, which is given apart.", "",
              "| model | plans | tensors vs estimate | slack MiB | temporaries MiB | "
              "measured vs estimate | lowest plan: tensors vs estimate, slack MiB | "
              "plain: slack MiB |",
