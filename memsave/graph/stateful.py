@@ -129,13 +129,6 @@ def _buffer_sources(t):
             stack.extend(reversed(t.op.inputs))
 
 
-def written_in_place(t, facts=None):
-    """Whether an op declared stateless writes the buffer ``t`` may be
-    (:data:`WRITE_THEIR_INPUT`, e.g. ``InplaceUpdate`` on a kept matmul
-    output): a copy reading it after that write would see the new values."""
-    return (facts or BufferFacts()).of(t)[1]
-
-
 def ref_variables(t, facts=None):
     """The TF1 reference variables (their variable ops' ref tensors) whose
     buffer ``t`` may be, in the order found: a ref (the variable's, or one
@@ -148,8 +141,12 @@ def ref_variables(t, facts=None):
 
 
 class BufferFacts:
-    """:func:`ref_variables` and :func:`written_in_place` of tensors of one
-    graph as it stands, each tensor's worked out once from its inputs'.
+    """Of the buffers tensors of one graph may be, as it stands: their TF1
+    reference variables (:func:`ref_variables`), and whether an op declared
+    stateless writes one in place (:data:`WRITE_THEIR_INPUT`, e.g.
+    ``InplaceUpdate`` on a kept matmul output: a copy reading it after that
+    write would see the new values); each tensor's worked out once from its
+    inputs'.
 
     Walked afresh per tensor, the buffers behind a DenseNet's concatenations
     (each may hand on the previous one's) made the analysis quadratic in
@@ -196,20 +193,26 @@ class BufferFacts:
             written = _written_directly(u)
             for i in inputs:
                 i_roots, i_written = self._known.get(i.ref()) or fresh[i.ref()]
-                roots.extend(r for r in i_roots if all(r is not f for f in roots))
+                _add_new(roots, i_roots)
                 written = written or i_written
             fresh[key] = (tuple(roots), written)
         return fresh
 
     @staticmethod
     def _walked(t):
-        roots = []
+        roots, written = [], False
         for s in _buffer_sources(t):
             if _is_ref(s):
-                root = _ref_root(s)
-                if all(root is not f for f in roots):
-                    roots.append(root)
-        return tuple(roots), any(_written_directly(s) for s in _buffer_sources(t))
+                _add_new(roots, [_ref_root(s)])
+            written = written or _written_directly(s)
+        return tuple(roots), written
+
+
+def _add_new(found, tensors):
+    """Append to ``found`` the ``tensors`` not already in it (by identity)."""
+    for t in tensors:
+        if all(t is not f for f in found):
+            found.append(t)
 
 
 def _shared_inputs(t):
