@@ -575,6 +575,29 @@ def test_keras_keeps_a_byte_budget_automatically(caplog):
     assert loss == pytest.approx(plain, rel=1e-5)
 
 
+def test_keras_lets_go_of_the_batches_its_budget_loop_measured():
+    # Each call the loop measures is given its batch again from a dataset of
+    # its own (to run it again if the allocator refuses it); one made by
+    # Dataset.from_generator kept its batch for the life of the process (a
+    # helper found 11 batches of 16 MiB held after fit settled).
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1024,))] + [
+        keras.layers.Dense(64, activation="tanh") for _ in range(6)] + [keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", jit_compile=False, loss=(
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+    memsave.keras.enable(model, budget="6MiB")
+    in_use = []
+
+    class InUse(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(1024, 1024).astype("float32"), rng.randint(0, 4, 1024)  # 4 MiB a batch
+    model.fit(x, y, batch_size=1024, epochs=14, verbose=0, shuffle=False, callbacks=[InUse()])
+    assert model.train_function.loop.done and len(model.train_function.loop.peaks) >= 4
+    assert max(in_use) - in_use[0] < 2 * 2 ** 20, [round(b / 2 ** 20, 1) for b in in_use]
+
+
 def test_keras_train_on_batch_keeps_a_byte_budget():
     # train_on_batch gives Keras' train function a Python iterator, which it
     # runs through its step on data, not the tf.function fit's iterators go
