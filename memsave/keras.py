@@ -190,7 +190,16 @@ def _replayed_batch(model, args, kwargs):
         if not value.has_value():
             return lambda: (args, kwargs)   # the end of the data: Keras stops on its own
         data, spec = value.get_value(), batches.element_spec
-        return lambda: ((iter(_dataset_of(data, spec)),), {})
+
+        def replay():
+            return (iter(_dataset_of(data, spec)),), {}
+        # Read here, before the call; a settled call reads it inside, where
+        # the meter counts it (a 4 MiB batch: 2.2 MiB measured on trial, 7.2
+        # once settled), so the loop adds it to the calls it measures.
+        replay.read_ahead = sum(t.shape.num_elements() * t.dtype.size
+                                for t in tf.nest.flatten(data, expand_composites=True)
+                                if t.shape.is_fully_defined())
+        return replay
     if isinstance(batches, collections.abc.Iterator) and not isinstance(
             batches, tf.distribute.DistributedIterator):
         data = next(batches, _END)
