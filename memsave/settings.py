@@ -195,9 +195,12 @@ def _budget(value):
         value = parse_bytes(value)
         if value < 1:
             raise ValueError("budget of %r bytes: a size is at least one byte" % (value,))
-    if not _number(value) or not value > 0:
-        raise ValueError("budget must be > 0: bytes, a size such as '6GiB', or a fraction of "
-                         "the plain peak below 1; got %r" % (value,))
+    if not _number(value):
+        raise TypeError("budget must be a number (bytes, or a fraction of the plain peak "
+                        "below 1) or a size such as '6GiB'; got %r" % (value,))
+    if not 0 < value < float("inf"):   # NaN too
+        raise ValueError("budget must be > 0 and finite: bytes, a size such as '6GiB', or a "
+                         "fraction of the plain peak below 1; got %r" % (value,))
     return value
 
 

@@ -68,8 +68,11 @@ def test_budget_in_bytes_sizes_and_fractions():
     assert budget("1.5 gib") == 1.5 * 2**30
     assert budget("4096") == 4096
     assert budget(0.5) == 0.5 and budget(2**20) == 2**20
-    for bad in ("6 parsecs", "", 0, -1, True):
+    for bad in ("6 parsecs", "", 0, -1, float("inf"), float("nan"), "inf GiB"):
         with pytest.raises(ValueError, match="budget"):
+            budget(bad)
+    for bad in (True, [1], b"6GiB"):   # found by a helper: a ValueError said "> 0"
+        with pytest.raises(TypeError, match="budget must be a number"):
             budget(bad)
 
 
