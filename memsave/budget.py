@@ -208,6 +208,7 @@ class _Trace:
     estimates: list = dataclasses.field(default_factory=list)
     smallest: float = None     # the smallest estimate, when no plan fitted the target
     offload_hint: bool = False   # the planner's error suggested offload='auto'
+    capped: str = ""           # the planner's error named a max_recompute= cap
     lowest: bool = False       # the lowest plan was taken (nothing fitted the target)
     kept: list = dataclasses.field(default_factory=list)   # each plan's kept tensor names
     targets: list = dataclasses.field(default_factory=list)   # each region's planned estimate
@@ -404,6 +405,7 @@ class Loop:
         """The planner's ``BudgetError``: no plan fitted the target."""
         self.trace.smallest = getattr(error, "smallest", None)
         self.trace.offload_hint = getattr(error, "offload_hint", False)
+        self.trace.capped = getattr(error, "capped", "")
 
     def takes_lowest(self):
         """Whether to plan for the lowest peak when nothing fits the target: the
@@ -737,17 +739,21 @@ class Loop:
         if smallest is None or promise is None:
             return error
         sizes = getattr(error, "sizes_note", "")
+        # max_recompute= binds too: say so (a plan recomputing more may fit).
+        # (Read from the loop: tf.function raises a copy of the error, without
+        # the planner's attributes.)
+        capped = self.trace.capped
         if self.first is None:
             return BudgetError(
-                "no plan fits a budget of %s: the smallest plan is estimated at %s%s%s" % (
-                    size_text(promise), size_text(smallest), "; offload='auto' may go lower "
-                    "on a GPU" if self.trace.offload_hint else "", sizes))
+                "no plan fits a budget of %s%s: the smallest plan is estimated at %s%s%s" % (
+                    size_text(promise), capped, size_text(smallest), "; offload='auto' may "
+                    "go lower on a GPU" if self.trace.offload_hint else "", sizes))
         estimate, measured = self.first
         return BudgetError(
-            "no plan fits a budget of %s on the allocator: the smallest plan would "
+            "no plan fits a budget of %s on the allocator%s: the smallest plan would "
             "measure at least about %s (estimated %s; the first plan was "
             "estimated %s and measured %s)%s" % (
-                size_text(promise), size_text(self.would_measure(smallest, kinder=True)),
+                size_text(promise), capped, size_text(self.would_measure(smallest, kinder=True)),
                 size_text(smallest), size_text(estimate), size_text(measured), sizes))
 
 

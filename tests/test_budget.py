@@ -563,6 +563,27 @@ def test_no_plan_fits_is_a_budget_error_before_the_step():
         step()
 
 
+def test_a_budget_error_says_where_max_recompute_binds():
+    # A helper's transformer under 45 MiB with max_recompute=0.05: the
+    # BudgetError did not say the cap was why (39 MiB fits without it).
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable(rng.randn(WIDTH, WIDTH).astype(np.float32)) for _ in range(DEPTH)]
+    x = tf.constant(rng.randn(BATCH, WIDTH).astype(np.float32))
+
+    @tf.function
+    def step():
+        with memsave.GradientTape(checkpoints="optimal", budget=2 ** 20,
+                                  max_recompute=0.02) as tape:
+            h = x
+            for w in ws:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, ws)
+    with pytest.raises(memsave.BudgetError, match=r"budget of 1\.0 MiB recomputing at most "
+                                                  r"2% of a training step: the smallest plan"):
+        memsave.budgeted(step)()
+
+
 def test_a_small_budget_that_no_plan_fits_is_said_in_kib():
     """A budget under a MiB read "a budget of 0.0 MiB: ... estimated at 0.0 MiB"
     (found by a helper trying memsave's API)."""

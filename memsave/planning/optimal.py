@@ -547,15 +547,17 @@ def _choose(options, limit, cap, plain, max_recompute, offload):
         return min(options, key=lambda p: (p[0], p[1]))
     chosen = _fastest_fitting(options, limit)
     if chosen is None:
+        capped = ("" if cap is None else
+                  " recomputing at most %g%% of a training step" % (100 * max_recompute))
         error = BudgetError(
             "no plan fits a budget of %s%s; the smallest estimated peak is %s "
             "(plain: %s)%s" % (
-                size_text(limit), "" if cap is None else
-                " recomputing at most %g%% of a training step" % (100 * max_recompute),
+                size_text(limit), capped,
                 size_text(min(p[0] for p in options)) if options else "plain's",
                 size_text(plain), "" if offload else "; offload='auto' may go lower on a GPU"))
         # For memsave.budget, which restates the error in the budget's terms.
         error.smallest = min((p[0] for p in options), default=None)
+        error.capped = capped
         error.offload_hint = not offload
         raise error
     return chosen
