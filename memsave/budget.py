@@ -90,8 +90,8 @@ the pre-step baseline), kept by a loop around the training step:
    settled plan refused so is a BudgetError with the largest peak the loop
    measured.
 5. The settled plan's calls go on being measured. One past the margin the
-   plan was kept under (:data:`AIM`; its peaks creep as the allocator's
-   free chunks change) has the step replanned as in 2., the settled plan
+   plan was kept under (its peaks creep as the allocator's free chunks
+   change) has the step replanned as in 2., the settled plan
    read as a first plan measured so and never gone back to, at most
    :data:`DRIFT_REPLANS` times (the lowest plan is kept: none is lower).
 
@@ -187,7 +187,7 @@ MEASURED_CALLS = 3   # calls of each plan measured; Loop.observe takes the large
 # the allocator's statistics): its peaks creep as the allocator's free chunks
 # change (MobileNetV3Small under 80 MiB, Adam: settled on 72.5, 71.7 and 74.4
 # MiB, later 78.9, then 80.7, over), so a call past the margin it was kept
-# under (AIM) has the step replanned as though it were a first plan measured
+# under (Loop.settle) has the step replanned as though it were a first plan measured
 # so, before a later call goes over. At most this many times per step.
 DRIFT_REPLANS = 2
 
@@ -251,6 +251,7 @@ class Loop:
         self.settled_target = None
         self._recalibrate = None   # (measured, kept names): the first plan, to re-estimate
         self.settled_trace = None  # the _Trace of the plan settled on
+        self.settled_margin = None  # the most its measured calls were held to (see settle)
         self.drift_replans = 0     # replans after a settled call measured past its margin
 
     # -- planning side (called by memsave.planner while the step traces) --
@@ -291,25 +292,29 @@ class Loop:
             target = min(target, self._below_plain(graph))
         return max(1.0, target)
 
-    def settle(self, trace):
-        """The loop is done, on the plan ``trace`` planned."""
-        self.done, self.settled_trace = True, trace
+    def settle(self, trace, margin):
+        """The loop is done, on the plan ``trace`` planned, whose measured calls
+        were within ``margin`` (bytes: what its later calls are held to)."""
+        self.done, self.settled_trace, self.settled_margin = True, trace, margin
         if trace.targets:
             # The lowest plan again where it was the one (nothing fits 1 byte).
             self.settled_target = 1.0 if trace.lowest else min(trace.targets)
 
     def drifted(self, measured):
         """Take the measured peak of a call of the settled plan; True where it is
-        past the margin the plan was kept under (:meth:`fits`, no spread) and
-        the loop is set to replan (:data:`DRIFT_REPLANS`): the settled plan is
-        read as a first plan measured at ``measured``, never gone back to, and
-        the replan is measured and settled as any. The lowest plan has none
-        below it: it is kept (a WARNING where it passes its own margin)."""
-        trace, promise = self.settled_trace, self.trace.promise
-        if not self.done or trace is None or promise is None or trace.estimate is None:
+        past the margin the plan was kept under (see :meth:`settle`: :data:`AIM`
+        less its calls' spread for a plan kept on its first calls, the meter's
+        :data:`LOWEST_AIM` for one measured again once another plan was let
+        go) and the loop is set to replan (:data:`DRIFT_REPLANS`): the settled
+        plan is read as a first plan measured at ``measured``, never gone back
+        to, and the replan is measured and settled as any. The lowest plan has
+        none below it: it is kept (a WARNING where it passes its margin)."""
+        trace, promise, margin = self.settled_trace, self.trace.promise, self.settled_margin
+        if (not self.done or trace is None or promise is None or trace.estimate is None
+                or margin is None):
             return False
         mib = 2 ** 20
-        if measured <= self.fits(0, lowest=trace.lowest):
+        if measured <= margin:
             return False
         self.peaks.append(measured)
         if trace.lowest or self.drift_replans >= DRIFT_REPLANS:
@@ -317,7 +322,7 @@ class Loop:
                       "memsave: %s: a call of the settled plan measured %.1f MiB, %.1f%% of "
                       "the budget of %.1f MiB, past the %.0f%% it was kept under; %s" % (
                           self.where, measured / mib, 100 * measured / promise, promise / mib,
-                          100 * self.fits(0, lowest=trace.lowest) / promise,
+                          100 * margin / promise,
                           "no plan is lower" if trace.lowest else
                           "it was replanned %d times so already" % self.drift_replans))
             return False
@@ -333,7 +338,7 @@ class Loop:
         logger.warning("memsave: %s: budget %.1f MiB; a call of the settled plan (estimated "
                        "%.1f) measured %.1f MiB, past the %.0f%% it was kept under: replanning "
                        "from it", self.where, promise / mib, estimate / mib, measured / mib,
-                       100 * self.first_fits / promise)
+                       100 * margin / promise)
         return True
 
     def _upward_bound(self, promise):
@@ -515,7 +520,7 @@ class Loop:
         self.first_fits = self.fits(spread)
         taken = self.fits(spread, lowest=True) if self.trace.lowest else self.first_fits
         if (1 - TOLERANCE) * promise <= measured <= taken:
-            self.settle(self.trace)
+            self.settle(self.trace, taken)
             logger.info("memsave: %s: budget %.1f MiB, measured %.1f MiB (estimated %.1f)",
                         self.where, promise / mib, measured / mib, estimate / mib)
             self._say_lowest_above_margin(measured, spread)
@@ -586,7 +591,7 @@ class Loop:
         if not back:
             self._say_lowest_above_margin(measured, spread)
         if self.keeps_no_other_plan:
-            self.settle(self.trace)   # measured alone: nothing to measure again
+            self.settle(self.trace, fits)   # measured alone: nothing to measure again
             return None
         self.done = False
         self.confirming = (("first", self.first_was_lowest, first) if back else
@@ -706,7 +711,7 @@ class Loop:
                     self.where, promise / mib, plan, before / mib, _measured_as(refused),
                     measured / mib))
         if measured <= fits and not refused:
-            self.settle(self.first_trace if plan == "first" else self.trace)
+            self.settle(self.first_trace if plan == "first" else self.trace, fits)
             logger.info("%s", said)
             return None
         if lowest or self.last_resort:
@@ -1096,7 +1101,7 @@ class MeasuredStep:
                     promise / mib, why))
         if loop.replanned and first:
             self._step, self._first = self._first, None
-            loop.settle(loop.first_trace)
+            loop.settle(loop.first_trace, loop.first_fits)
             logger.warning("%s; back to the first plan, measured %.1f MiB",
                            said, loop.first[1] / mib)
             return BudgetError(said + "; the next calls run the first plan, measured %.1f "

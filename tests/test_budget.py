@@ -641,7 +641,9 @@ def test_keras_keeps_a_byte_budget_automatically(caplog):
     model = memsave.keras.enable(_dense_model(), budget="3MiB")
     with caplog.at_level(logging.INFO, logger="memsave"):
         loss = _fit(model)
-    assert isinstance(model.train_function, budget.MeasuredStep) and model.train_function.loop.done
+    # Settled (a later call past its margin may have it replanned since).
+    assert isinstance(model.train_function, budget.MeasuredStep)
+    assert model.train_function.loop.settled_trace is not None
     said = [r.getMessage() for r in caplog.records if "memsave.keras(" in r.getMessage()]
     assert said and "budget 3.0 MiB" in said[-1]
     assert loss == pytest.approx(plain, rel=1e-5)
@@ -666,7 +668,8 @@ def test_keras_lets_go_of_the_batches_its_budget_loop_measured():
     rng = np.random.RandomState(0)
     x, y = rng.randn(1024, 1024).astype("float32"), rng.randint(0, 4, 1024)  # 4 MiB a batch
     model.fit(x, y, batch_size=1024, epochs=14, verbose=0, shuffle=False, callbacks=[InUse()])
-    assert model.train_function.loop.done and len(model.train_function.loop.peaks) >= 4
+    loop = model.train_function.loop
+    assert loop.settled_trace is not None and len(loop.peaks) >= 4
     assert max(in_use) - in_use[0] < 2 * 2 ** 20, [round(b / 2 ** 20, 1) for b in in_use]
 
 
@@ -950,6 +953,9 @@ import memsave
 from memsave import budget
 from tests import test_budget as t
 target, path, which = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+# The refusal of a plan on trial is under test, not the settled plan's drift
+# (tested on its own): a drift replan would take the correction set below.
+budget.DRIFT_REPLANS = 0
 if which == "first":
     budget.FIRST_AIM = 4.0   # plain backprop's plan: over the limit
 else:
