@@ -327,18 +327,14 @@ class Loop:
                           "it was replanned %d times so already" % self.drift_replans))
             return False
         self.drift_replans += 1
-        estimate = trace.estimate
-        self.first, self.first_refused, self.first_trace = (estimate, measured), False, trace
-        self.first_fits = self.fits(0)
-        self.replan_aim = REPLAN_AIM
-        self.correction = _correction(estimate, measured, MOST_TRUSTED, self.replan_aim)
-        self.replanned, self.replanned_again, self.between = True, False, False
-        self.last_resort, self.confirming, self.done = False, None, False
-        self.trace = _Trace()
+        self._take_as_first(trace, measured, False, 0)
+        self.replanned_again, self.between, self.last_resort = False, False, False
+        self.confirming, self.done = None, False
+        self._replan_on_first()
         logger.warning("memsave: %s: budget %.1f MiB; a call of the settled plan (estimated "
                        "%.1f) measured %.1f MiB, past the %.0f%% it was kept under: replanning "
-                       "from it", self.where, promise / mib, estimate / mib, measured / mib,
-                       100 * margin / promise)
+                       "from it", self.where, promise / mib, trace.estimate / mib,
+                       measured / mib, 100 * margin / promise)
         return True
 
     def _upward_bound(self, promise):
@@ -515,9 +511,7 @@ class Loop:
         if self.replanned:
             return self._observe_replan(measured, refused, spread)
         mib = 2 ** 20
-        self.first, self.first_refused = (estimate, measured), refused
-        self.first_trace = self.trace
-        self.first_fits = self.fits(spread)
+        self._take_as_first(self.trace, measured, refused, spread)
         taken = self.fits(spread, lowest=True) if self.trace.lowest else self.first_fits
         if (1 - TOLERANCE) * promise <= measured <= taken:
             self.settle(self.trace, taken)
@@ -525,15 +519,8 @@ class Loop:
                         self.where, promise / mib, measured / mib, estimate / mib)
             self._say_lowest_above_margin(measured, spread)
             return None
-        # A refused call needed more than ``measured``: a bound, not a
-        # figure, so an estimate above it is not trusted. A spread wider
-        # than AIM's margin lowers the replan's aim by as much.
-        self.replan_aim = REPLAN_AIM - (AIM * promise - self.first_fits) / promise
-        self.correction = _correction(estimate, measured, 1.0 if refused else MOST_TRUSTED,
-                                      self.replan_aim)
         self._note_scratch(breakdown, measured)
-        self.replanned = True
-        self.trace = _Trace()
+        self._replan_on_first()
         calls = ("" if self.first_fits >= AIM * promise else
                  "; its calls spread over %.1f MiB, so at most %.1f MiB" % (
                      spread / mib, self.first_fits / mib))
@@ -541,6 +528,27 @@ class Loop:
                     "%.1f%s); replanning once", self.where, promise / mib,
                     _measured_as(refused), measured / mib, estimate / mib, calls)
         return REPLAN
+
+    def _take_as_first(self, trace, measured, refused, spread):
+        """Read the plan ``trace`` planned as the first plan, measured at
+        ``measured`` (``refused``: a refused call's bound) over calls spread
+        over ``spread``."""
+        self.first, self.first_refused = (trace.estimate, measured), refused
+        self.first_trace, self.first_fits = trace, self.fits(spread)
+
+    def _replan_on_first(self):
+        """Set the loop to trace a replan for the first plan's error."""
+        promise = self.trace.promise
+        estimate, measured = self.first
+        # A refused call needed more than ``measured``: a bound, not a
+        # figure, so an estimate above it is not trusted. A spread wider
+        # than AIM's margin lowers the replan's aim by as much.
+        self.replan_aim = REPLAN_AIM - (AIM * promise - self.first_fits) / promise
+        self.correction = _correction(estimate, measured,
+                                      1.0 if self.first_refused else MOST_TRUSTED,
+                                      self.replan_aim)
+        self.replanned = True
+        self.trace = _Trace()
 
     def _observe_replan(self, measured, refused, spread):
         """:meth:`observe` for the replan (or the lowest plan after it)."""
