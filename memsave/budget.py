@@ -253,6 +253,7 @@ class Loop:
         self.settled_trace = None  # the _Trace of the plan settled on
         self.settled_margin = None  # the most its measured calls were held to (see settle)
         self.drift_replans = 0     # replans after a settled call measured past its margin
+        self.settled_peak = None   # the largest call of a settled plan measured (see drifted)
 
     # -- planning side (called by memsave.planner while the step traces) --
 
@@ -314,6 +315,7 @@ class Loop:
                 or margin is None):
             return False
         mib = 2 ** 20
+        self.settled_peak = max(self.settled_peak or 0, measured)
         if measured <= margin:
             return False
         self.peaks.append(measured)
