@@ -217,26 +217,30 @@ def _dataset_of(data, spec):
     less specific shape, as the iterator it was read from had: Keras' train
     function is then not traced again).
 
-    Its tensors go in as they are, each through a ``PlaceholderWithDefault``
-    whose shape is the spec's. ``Dataset.from_generator`` would keep every
-    batch given to it for good: in eager mode its Python function is
-    registered on the global default graph, which holds it and the
-    generator's batch for the life of the process (one batch per call the
-    budget loop measured, found by a helper: 11 batches of 16 MiB).
-    Components that are not dense tensors (ragged, sparse) are given as
-    they are where their spec is the same, else through ``from_generator``.
+    Its tensors go in as they are, each component (a dense tensor's self, a
+    ragged tensor's values and row splits, a sparse tensor's indices, values
+    and shape) through a ``PlaceholderWithDefault`` whose shape is the
+    spec's. ``Dataset.from_generator`` would keep every batch given to it
+    for good: in eager mode its Python function is registered on the global
+    default graph, which holds it and the generator's batch for the life of
+    the process (one batch per call the budget loop measured, found by a
+    helper: 11 batches of 16 MiB). It is the way only where the components
+    do not match the spec's.
     """
-    specs = tf.nest.flatten(spec, expand_composites=False)
-    if all(isinstance(s, tf.TensorSpec) for s in specs):
+    parts = tf.nest.flatten(data, expand_composites=True)
+    specs = tf.nest.flatten(spec, expand_composites=True)
+    if len(parts) == len(specs):
         def relaxed(element):
-            return tf.nest.map_structure(
-                lambda t, s: tf.raw_ops.PlaceholderWithDefault(input=t, shape=s.shape),
-                element, spec)
-        dataset = tf.data.Dataset.from_tensors((data,)).map(relaxed)
-    else:
-        dataset = tf.data.Dataset.from_tensors(data)
-    if dataset.element_spec == spec:
-        return dataset
+            return tf.nest.pack_sequence_as(
+                spec, [tf.raw_ops.PlaceholderWithDefault(input=t, shape=s.shape)
+                       for t, s in zip(tf.nest.flatten(element, expand_composites=True), specs)],
+                expand_composites=True)
+        try:
+            dataset = tf.data.Dataset.from_tensors((data,)).map(relaxed)
+        except (TypeError, ValueError):
+            dataset = None
+        if dataset is not None and dataset.element_spec == spec:
+            return dataset
     return tf.data.Dataset.from_generator(lambda: iter([data]), output_signature=spec)
 
 

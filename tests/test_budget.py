@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 import weakref
-import weakref
 
 import keras
 import numpy as np
@@ -671,6 +670,54 @@ def test_keras_lets_go_of_the_batches_its_budget_loop_measured():
     loop = model.train_function.loop
     assert loop.settled_trace is not None and len(loop.peaks) >= 4
     assert max(in_use) - in_use[0] < 2 * 2 ** 20, [round(b / 2 ** 20, 1) for b in in_use]
+
+
+def test_keras_lets_go_of_sparse_batches_its_budget_loop_measured():
+    # As the dense batches above: a sparse batch went through
+    # Dataset.from_generator, which kept every one (a helper found it).
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((1024,), sparse=True)
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Dense(64, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4)(h))
+    model.compile(optimizer="sgd", jit_compile=False, loss=(
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+    memsave.keras.enable(model, budget="80MiB")
+    in_use = []
+
+    class InUse(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    rng = np.random.RandomState(0)
+    x = rng.randn(1024, 1024).astype("float32") * (rng.rand(1024, 1024) < 0.1)
+    batches = tf.data.Dataset.from_tensor_slices(   # the batch axis unknown in its spec
+        (tf.sparse.from_dense(x), rng.randint(0, 4, 1024))).batch(1024)
+    model.fit(batches, epochs=14, verbose=0, shuffle=False, callbacks=[InUse()])  # 2 MiB a batch
+    loop = model.train_function.loop
+    assert loop.settled_trace is not None and len(loop.peaks) >= budget.MEASURED_CALLS
+    assert max(in_use) - in_use[0] < 2 ** 20, [round(b / 2 ** 20, 1) for b in in_use]
+
+
+@pytest.mark.parametrize("kind", ["ragged", "sparse", "mixed"])
+def test_a_composite_batch_is_given_again_with_its_iterators_spec_and_no_python_function(kind):
+    # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import script_ops   # where from_generator's functions stay
+    ragged = tf.data.Dataset.from_tensor_slices(
+        tf.ragged.constant([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], [7.0]])).batch(2)
+    sparse = tf.data.Dataset.from_tensor_slices(tf.sparse.from_dense(
+        tf.constant([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0], [4.0, 0.0, 0.0]]))).batch(2)
+    dense = tf.data.Dataset.from_tensor_slices((tf.ones([5, 3]), tf.range(5))).batch(2)
+    batches = {"ragged": ragged, "sparse": sparse,
+               "mixed": tf.data.Dataset.zip((ragged, (dense, sparse)))}[kind]
+    data = next(iter(batches))
+    registered = script_ops._py_funcs.size()   # pylint: disable=protected-access
+    again = memsave.keras._dataset_of(data, batches.element_spec)  # pylint: disable=W0212
+    assert script_ops._py_funcs.size() == registered   # pylint: disable=protected-access
+    assert again.element_spec == batches.element_spec
+    for got, want in zip(tf.nest.flatten(next(iter(again)), expand_composites=True),
+                         tf.nest.flatten(data, expand_composites=True)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 def test_keras_train_on_batch_keeps_a_byte_budget():
