@@ -235,3 +235,40 @@ def test_bad_shape_hints():
             memsave.plan(loss, ws, shapes={"nope:0": (8, 128, 128, 3)})
         with pytest.raises(ValueError, match="batch_size must be an int"):
             memsave.plan(loss, ws, batch_size=0)
+
+
+def _masked_chain(which, n=1024, width=64, depth=6):
+    """The plan of a tanh chain on ``which`` rows of ``n``: all of them ('all'),
+    those a mask keeps ('mask', tf.boolean_mask), or the distinct rows of an
+    embedding that ids pick ('unique', as a sparse lookup does)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        x = tf.compat.v1.placeholder(tf.float32, [n, width])
+        ws = [tf.Variable((rng.randn(width, width) / 8).astype(np.float32))
+              for _ in range(depth)]
+        if which == "mask":
+            h = tf.boolean_mask(x, x[:, 0] > 0)
+        elif which == "unique":
+            table = tf.Variable(rng.randn(n, width).astype(np.float32))
+            ws.append(table)
+            ids, _ = tf.unique(tf.compat.v1.placeholder(tf.int32, [n]))
+            h = tf.gather(table, ids)
+        else:
+            h = x
+        for w in ws[:depth]:
+            h = tf.tanh(h @ w)
+        return memsave.plan(tf.reduce_sum(h * h), ws)
+
+
+@pytest.mark.parametrize("which", ["mask", "unique"])
+def test_data_dependent_sizes_are_taken_at_their_largest(which):
+    # tf.where's (boolean_mask's) and tf.unique's outputs have no static size;
+    # taken as 1, the chain after them looked empty and any plan fitted.
+    # At their largest (every row kept, every id distinct), the chain is
+    # sized as on all the rows, erring high, and the plan says so.
+    plan, rows = _masked_chain(which), _masked_chain("all")
+    assert not any("taken as 1" in n for n in plan.notes), plan.notes
+    assert any("data-dependent sizes taken at their largest" in n for n in plan.notes)
+    assert plan.unknown_dims > 0   # a guess: never taken as worse than plain on it
+    assert rows.plain_peak_bytes <= plan.plain_peak_bytes < 1.5 * rows.plain_peak_bytes

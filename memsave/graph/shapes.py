@@ -17,9 +17,13 @@ import) whose data sources have concrete shapes taken from, in order:
   concatenation, come out right, which is what choosing checkpoints needs;
   the plan's notes say so and the plan counts as sized with a guess.
 
-The copy is only read for its shapes; it never runs. Dimensions still
-unknown afterwards (data-dependent ones, or where inference fails) are
-sized by the caller's rule, and said so.
+The outputs of ops whose sizes depend on the data (:data:`DATA_DEPENDENT`:
+``tf.where``'s indices, ``tf.boolean_mask``'s, ``tf.unique``'s values) are
+sized at their largest, from their inputs' sizes, and inference runs again
+from them: a guess that errs high (a mask that keeps every row), where the
+caller's rule would size them as 1. The copy is only read for its shapes;
+it never runs. Dimensions still unknown afterwards (where inference fails)
+are sized by the caller's rule, and said so.
 """
 
 import collections
@@ -41,6 +45,13 @@ SOURCE_TYPES = frozenset({
 # Sizes for the axes of data sources that nothing else sizes (see the module docstring).
 NOMINAL_BATCH = 32    # Keras' default batch
 NOMINAL_AXIS = 128
+
+# Ops with outputs sized by the data, and the most each output can hold
+# given the op's input shapes (fully defined): see _largest.
+DATA_DEPENDENT = frozenset({"Where", "Unique", "UniqueV2", "UniqueWithCounts",
+                            "UniqueWithCountsV2"})
+# Rounds of inference from sized data-dependent outputs (one per chain of them).
+_BOUND_ROUNDS = 4
 
 # Shapes seen at earlier traces, per (function, xs, source tensor); bounded.
 _FIRST_SEEN = collections.OrderedDict()
@@ -183,13 +194,20 @@ def _infer(region, ancestors, hints):
                 fixed.setdefault(i.name, i.shape)
     present = {n.name for n in graph_def.node}
     fixed = {n: s for n, s in fixed.items() if n.rsplit(":", 1)[0] in present}
-    scratch = tf.Graph()
-    with scratch.as_default():
-        input_map = {}
-        for i, (name, shape) in enumerate(sorted(fixed.items())):
-            dtype = graph.get_tensor_by_name(name).dtype
-            input_map[name] = tf.compat.v1.placeholder(dtype, shape, name="memsave_hint_%d" % i)
-        tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="copy")
+    scratch = _imported(graph, graph_def, fixed)
+    bounded = []
+    for _ in range(_BOUND_ROUNDS):
+        largest = {}
+        for op in ancestors:
+            if op.type in DATA_DEPENDENT:
+                for name, shape in _largest(scratch.get_operation_by_name("copy/" + op.name)):
+                    if name not in fixed:
+                        largest[name] = shape
+        if not largest:
+            break
+        fixed.update(largest)
+        bounded += sorted(largest)
+        scratch = _imported(graph, graph_def, fixed)
     out = {}
     for op in region.ops:
         for t in op.outputs:
@@ -201,6 +219,41 @@ def _infer(region, ancestors, hints):
                 continue
             if inferred.is_compatible_with(t.shape):
                 out[t.name] = t.shape.merge_with(inferred)
+    return out, bounded
+
+
+def _imported(graph, graph_def, fixed):
+    """A scratch graph of ``graph_def`` (of ``graph``'s ops), each tensor named in
+    ``fixed`` replaced by a placeholder of its shape there."""
+    scratch = tf.Graph()
+    with scratch.as_default():
+        input_map = {}
+        for i, (name, shape) in enumerate(sorted(fixed.items())):
+            dtype = graph.get_tensor_by_name(name).dtype
+            input_map[name] = tf.compat.v1.placeholder(dtype, shape, name="memsave_hint_%d" % i)
+        tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="copy")
+    return scratch
+
+
+def _largest(op):
+    """``[(original tensor name, shape)]``: the most each output of ``op`` (a
+    :data:`DATA_DEPENDENT` op in the scratch graph) can hold, where its
+    input's shape is known and its own is not: ``tf.where`` finds every
+    element, ``tf.unique`` every value distinct."""
+    x = op.inputs[0].shape
+    if not x.is_fully_defined():
+        return []
+    if op.type == "Where":
+        shapes = [tf.TensorShape([x.num_elements(), x.rank])]
+    elif op.type in ("Unique", "UniqueWithCounts"):
+        shapes = [x, None, x]   # values, their indices (known), counts
+    else:   # UniqueV2, UniqueWithCountsV2: along an axis, at most its length
+        shapes = [x, None, tf.TensorShape(x[:1]) if x.rank == 1 else None]
+    out = []
+    for t, shape in zip(op.outputs, shapes):
+        if shape is not None and not t.shape.is_fully_defined() and t.shape.is_compatible_with(
+                shape):
+            out.append((t.name[len("copy/"):], t.shape.merge_with(shape)))
     return out
 
 
@@ -215,14 +268,18 @@ def resolve(region, shapes=None, batch_size=None):
     unknown = any(not t.shape.is_fully_defined() for op in region.ops for t in op.outputs)
     ancestors = backward_ops(region.ops, control=True)
     hints, notes, nominal = _source_hints(region, ancestors, shapes, batch_size)
-    if not unknown or not hints:
+    if not unknown or not (hints or any(op.type in DATA_DEPENDENT for op in ancestors)):
         return Resolved({}, notes if unknown else [], False)
     try:
-        inferred = _infer(region, ancestors, hints)
+        inferred, bounded = _infer(region, ancestors, hints)
     except Exception as e:   # pylint: disable=broad-except
         # Only sizes are lost: the plan is then sized by the old rule, and says so.
         logger.info("memsave: could not infer shapes from the hints (%s: %s)",
                     type(e).__name__, e)
         return Resolved({}, notes + ["shape inference from the hints failed (%s)"
                                      % type(e).__name__], False)
-    return Resolved(inferred, notes, nominal)
+    if bounded:
+        notes.append("data-dependent sizes taken at their largest (every element found, "
+                     "every value distinct) for %s: the estimate errs high there"
+                     % ", ".join(bounded))
+    return Resolved(inferred, notes, nominal or bool(bounded))
