@@ -240,7 +240,8 @@ def test_bad_shape_hints():
 def _masked_chain(which, n=1024, width=64, depth=6):
     """The plan of a tanh chain on ``which`` rows of ``n``: all of them ('all'),
     those a mask keeps ('mask', tf.boolean_mask), or the distinct rows of an
-    embedding that ids pick ('unique', as a sparse lookup does)."""
+    embedding that ids pick ('unique', as a sparse lookup does), or sums
+    of rows per segment id ('segments')."""
     graph = tf.Graph()
     with graph.as_default():
         rng = np.random.RandomState(0)
@@ -254,6 +255,8 @@ def _masked_chain(which, n=1024, width=64, depth=6):
             ws.append(table)
             ids, _ = tf.unique(tf.compat.v1.placeholder(tf.int32, [n]))
             h = tf.gather(table, ids)
+        elif which == "segments":
+            h = tf.math.segment_sum(x, tf.compat.v1.placeholder(tf.int32, [n]))
         else:
             h = x
         for w in ws[:depth]:
@@ -261,12 +264,13 @@ def _masked_chain(which, n=1024, width=64, depth=6):
         return memsave.plan(tf.reduce_sum(h * h), ws)
 
 
-@pytest.mark.parametrize("which", ["mask", "unique"])
+@pytest.mark.parametrize("which", ["mask", "unique", "segments"])
 def test_data_dependent_sizes_are_taken_at_their_largest(which):
-    # tf.where's (boolean_mask's) and tf.unique's outputs have no static size;
-    # taken as 1, the chain after them looked empty and any plan fitted.
-    # At their largest (every row kept, every id distinct), the chain is
-    # sized as on all the rows, erring high, and the plan says so.
+    # tf.where's (boolean_mask's), tf.unique's and segment sums' outputs have
+    # no static size; taken as 1, the chain after them looked empty and any
+    # plan fitted. At their largest (every row kept, every id distinct, a
+    # segment per id), the chain is sized as on all the rows, erring high,
+    # and the plan says so.
     plan, rows = _masked_chain(which), _masked_chain("all")
     assert not any("taken as 1" in n for n in plan.notes), plan.notes
     assert any("data-dependent sizes taken at their largest" in n for n in plan.notes)

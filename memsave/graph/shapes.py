@@ -18,7 +18,7 @@ import) whose data sources have concrete shapes taken from, in order:
   the plan's notes say so and the plan counts as sized with a guess.
 
 The outputs of ops whose sizes depend on the data (:data:`DATA_DEPENDENT`:
-``tf.where``'s indices, ``tf.boolean_mask``'s, ``tf.unique``'s values) are
+``tf.where``'s indices, ``tf.boolean_mask``'s, ``tf.unique``'s values, a segment sum's rows) are
 sized at their largest, from their inputs' sizes, and inference runs again
 from them: a guess that errs high (a mask that keeps every row), where the
 caller's rule would size them as 1. The copy is only read for its shapes;
@@ -49,7 +49,9 @@ NOMINAL_AXIS = 128
 # Ops with outputs sized by the data, and the most each output can hold
 # given the op's input shapes (fully defined): see _largest.
 DATA_DEPENDENT = frozenset({"Where", "Unique", "UniqueV2", "UniqueWithCounts",
-                            "UniqueWithCountsV2"})
+                            "UniqueWithCountsV2", "SegmentSum", "SegmentMean", "SegmentMax",
+                            "SegmentMin", "SegmentProd", "SparseSegmentSum", "SparseSegmentMean",
+                            "SparseSegmentSqrtN"})
 # Rounds of inference from sized data-dependent outputs (one per chain of them).
 _BOUND_ROUNDS = 4
 
@@ -239,11 +241,17 @@ def _largest(op):
     """``[(original tensor name, shape)]``: the most each output of ``op`` (a
     :data:`DATA_DEPENDENT` op in the scratch graph) can hold, where its
     input's shape is known and its own is not: ``tf.where`` finds every
-    element, ``tf.unique`` every value distinct."""
+    element, ``tf.unique`` every value distinct, a segment reduction a
+    segment per id."""
     x = op.inputs[0].shape
     if not x.is_fully_defined():
         return []
-    if op.type == "Where":
+    if "Segment" in op.type:
+        ids = op.inputs[2 if op.type.startswith("Sparse") else 1].shape
+        if not ids.is_fully_defined() or ids.rank != 1 or x.rank < 1:
+            return []
+        shapes = [tf.TensorShape(ids[:1]).concatenate(x[1:])]
+    elif op.type == "Where":
         shapes = [tf.TensorShape([x.num_elements(), x.rank])]
     elif op.type in ("Unique", "UniqueWithCounts"):
         shapes = [x, None, x]   # values, their indices (known), counts
