@@ -67,7 +67,9 @@ offloading, against plain ``tf.gradients`` on the same graph:
   segment, which memsave summed per index, where TensorFlow gives one row
   per lookup. The dense sum was the same, but Keras' Adam squares each row:
   an embedding model's weights 0.25 of their largest entry off plain's
-  after four steps. A gather is now differentiated once, as in plain; a
+  after four steps. A gather is now differentiated once, as in plain, and
+  so is a sparse segment reduction asked for a sparse gradient (found by a
+  helper: 24 rows for 6 ids, one Adam step 0.9 of its size off); a
   sparse gradient with an inf or NaN is NaN throughout, so that Keras'
   overflow check, which ORs the rows of one index, still sees it.
 - *users' gradients* (found by a helper trying to break memsave): an op
@@ -1006,15 +1008,26 @@ def test_found_by_breaking(case, strategy, mode):
     assert RUNNERS[mode](OTHERS[case], strategy, None) <= 1e-9
 
 
-def _lookups(table, ws, nested=False):
-    """An embedding read as Keras reads one (a gather of the variable's value),
-    with repeated ids, that every layer reads again: a plan keeping the
-    layers recomputes the lookup in each of their segments. ``nested``: the
-    gather is inside a function the step calls."""
+# How _lookups reads its table: as Keras does (a gather), a gather inside a
+# function the step calls, and sparse segment reductions asked for a sparse
+# gradient (one row per distinct id, found by a helper: 24 rows for 6 ids
+# where recomputed in four segments, Adam's step on them 0.9 of its size off).
+LOOKUPS = ("gather", "gather_in_a_call", "sparse_segment_sum", "sparse_segment_mean",
+           "sparse_segment_sqrt_n")
+
+
+def _lookups(table, ws, lookup="gather"):
+    """An embedding read, with repeated ids, that every layer reads again: a
+    plan keeping the layers recomputes the lookup in each of their
+    segments (``lookup``: one of :data:`LOOKUPS`)."""
     ids = tf.constant(np.random.RandomState(13).randint(0, 6, 24))
-    lookup = tf.function(lambda t: tf.gather(t, ids) * 2) if nested else (
-        lambda t: tf.gather(t, ids))
-    e = lookup(table.value())
+    if lookup == "gather":
+        e = tf.gather(table.value(), ids)
+    elif lookup == "gather_in_a_call":
+        e = tf.function(lambda t: tf.gather(t, ids) * 2)(table.value())
+    else:
+        e = getattr(tf.sparse, lookup[len("sparse_"):])(
+            table.value(), ids, tf.constant(np.arange(24) // 4), sparse_gradient=True)
     h, layers = e, []
     for w in ws:
         h = tf.tanh(h @ w) + e
@@ -1022,16 +1035,16 @@ def _lookups(table, ws, nested=False):
     return tf.reduce_sum(h * h), [table] + ws, layers[:-1]
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["gather", "gather_in_a_call"])
+@pytest.mark.parametrize("lookup", LOOKUPS)
 @pytest.mark.parametrize("mode", sorted(RUNNERS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_an_embeddings_gradient_has_plains_rows(strategy, mode, nested):
-    # One row per lookup, in plain's order: an optimizer that squares the rows
+def test_an_embeddings_gradient_has_plains_rows(strategy, mode, lookup):
+    # Plain's rows, in plain's order: an optimizer that squares the rows
     # (Adam) sees what it sees under plain backprop.
     make = _weights(13, (6, 8), (8, 8), (8, 8), (8, 8))
 
     def both(vs):
-        loss, xs, listed = _lookups(vs[0], vs[1:], nested)
+        loss, xs, listed = _lookups(vs[0], vs[1:], lookup)
         return tf.gradients(loss, xs), _ours(loss, xs, listed, strategy, None)
 
     if mode == "session":
@@ -1052,12 +1065,14 @@ def test_an_embeddings_gradient_has_plains_rows(strategy, mode, nested):
     assert _worst([rows[0]] + plain[1:], [rows[1]] + ours[1:]) <= 1e-12
 
 
-def test_the_audit_catches_sparse_rows_given_per_segment(monkeypatch):
+@pytest.mark.parametrize("lookup", ["gather", "sparse_segment_sum"])
+def test_the_audit_catches_sparse_rows_given_per_segment(monkeypatch, lookup):
     """Without keeping the lookup, the audit refuses the rewrite."""
     from memsave import rewrite   # pylint: disable=import-outside-toplevel
     monkeypatch.setattr(rewrite, "differentiated_once", lambda region, kept: list(kept))
     with tf.Graph().as_default():
-        loss, xs, listed = _lookups(*_split(_weights(13, (6, 8), (8, 8), (8, 8))()))
+        table, ws = _split(_weights(13, (6, 8), (8, 8), (8, 8))())
+        loss, xs, listed = _lookups(table, ws, lookup)
         with pytest.raises(memsave.GradientMismatchError, match="gives sparse gradient rows"):
             memsave.gradients(loss, xs, checkpoints=listed)
 

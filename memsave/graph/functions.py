@@ -141,8 +141,10 @@ def runs_users_gradient(op, memo):
 
 def gives_sparse_rows(op, memo):
     """Whether differentiating ``op`` gives a table IndexedSlices, one row per
-    lookup: a gather (:data:`optable.SPARSE_GRADIENT`), or one inside a
-    function it calls or a cond's branch (a loop's gradient is dense).
+    lookup: a gather (:data:`optable.SPARSE_GRADIENT`), a sparse segment
+    reduction asked for a sparse gradient (a row per distinct id,
+    :data:`optable.SPARSE_GRADIENT_IF_ASKED`), or one inside a function it
+    calls or a cond's branch (a loop's gradient is dense).
     Differentiated in several segments, each on part of its output
     gradient, it gives each lookup a row per segment where TensorFlow gives
     one: the same sum, other rows (Adam squares each). ``memo``:
@@ -160,6 +162,11 @@ def _has_users_gradient(op):
 
 
 def _is_gather(op):
+    if op.type in optable.SPARSE_GRADIENT_IF_ASKED:
+        try:
+            return bool(op.get_attr("sparse_gradient"))
+        except ValueError:
+            return False
     return op.type in optable.SPARSE_GRADIENT
 
 

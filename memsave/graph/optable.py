@@ -29,6 +29,13 @@ GRAD_READS_INPUTS = frozenset({
 
 # Ops whose gradient for their params is IndexedSlices: one row per lookup.
 SPARSE_GRADIENT = frozenset({"GatherV2", "Gather"})
+# Ops whose gradient for their data is IndexedSlices (a row per distinct id)
+# where their ``sparse_gradient`` attribute asks for it (tf.sparse.segment_*).
+SPARSE_GRADIENT_IF_ASKED = frozenset({
+    "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
+    "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+    "SparseSegmentSqrtNWithNumSegments",
+})
 
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 
