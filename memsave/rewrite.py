@@ -545,7 +545,11 @@ class _Rewrite:
         levels that recompute nothing, see :func:`_segment_groups`):
         differentiate those with a running sum, through the others."""
         group = [ref.deref() for ref in refs]
-        active = [t for t in group if self.d_cp.total(t) is not None]
+        # The newest first, as tf.gradients meets them going back from the
+        # ys: the rows a variable read by several of them (two lookups of
+        # one table) gets come in plain's order (a helper found them swapped).
+        active = sorted((t for t in group if self.d_cp.total(t) is not None),
+                        key=lambda t: (tf_internal.op_id(t.op), t.value_index), reverse=True)
         # Under offloading or XLA nothing merges (see merge_info): a level's
         # checkpoints are independent, and only those with a sum are read.
         through = group if self.swapper is None and not self.barriers else ()

@@ -1009,11 +1009,13 @@ def test_found_by_breaking(case, strategy, mode):
 
 
 # How _lookups reads its table: as Keras does (a gather), a gather inside a
-# function the step calls, and sparse segment reductions asked for a sparse
+# function the step calls, sparse segment reductions asked for a sparse
 # gradient (one row per distinct id, found by a helper: 24 rows for 6 ids
-# where recomputed in four segments, Adam's step on them 0.9 of its size off).
+# where recomputed in four segments, Adam's step on them 0.9 of its size
+# off), and two lookups of the variable itself, early and late (found by a
+# helper: the early one's rows came first, where plain puts the late one's).
 LOOKUPS = ("gather", "gather_in_a_call", "sparse_segment_sum", "sparse_segment_mean",
-           "sparse_segment_sqrt_n")
+           "sparse_segment_sqrt_n", "variable_twice")
 
 
 def _lookups(table, ws, lookup="gather"):
@@ -1025,12 +1027,16 @@ def _lookups(table, ws, lookup="gather"):
         e = tf.gather(table.value(), ids)
     elif lookup == "gather_in_a_call":
         e = tf.function(lambda t: tf.gather(t, ids) * 2)(table.value())
+    elif lookup == "variable_twice":
+        e = tf.nn.embedding_lookup(table, ids)
     else:
         e = getattr(tf.sparse, lookup[len("sparse_"):])(
             table.value(), ids, tf.constant(np.arange(24) // 4), sparse_gradient=True)
     h, layers = e, []
-    for w in ws:
+    for i, w in enumerate(ws):
         h = tf.tanh(h @ w) + e
+        if lookup == "variable_twice" and i == len(ws) // 2:
+            h += tf.nn.embedding_lookup(table, tf.fill([24], 4))
         layers.append(h)
     return tf.reduce_sum(h * h), [table] + ws, layers[:-1]
 
