@@ -18,10 +18,10 @@ import) whose data sources have concrete shapes taken from, in order:
   the plan's notes say so and the plan counts as sized with a guess.
 
 The outputs of ops whose sizes depend on the data (:data:`DATA_DEPENDENT`:
-``tf.where``'s indices, ``tf.boolean_mask``'s, ``tf.unique``'s values, a segment sum's rows) are
-sized at their largest, from their inputs' sizes, and inference runs again
-from them: a guess that errs high (a mask that keeps every row), where the
-caller's rule would size them as 1. The copy is only read for its shapes;
+``tf.where``'s indices, ``tf.boolean_mask``'s, ``tf.unique``'s values, a
+segment sum's rows) are sized at their largest, from their inputs' sizes,
+and inference runs again from them: a guess that errs high (a mask that
+keeps every row), where the caller's rule would size them as 1. The copy is only read for its shapes;
 it never runs. Dimensions still unknown afterwards (where inference fails)
 are sized by the caller's rule, and said so.
 """
@@ -288,6 +288,7 @@ def resolve(region, shapes=None, batch_size=None):
                                      % type(e).__name__], False)
     if bounded:
         notes.append("data-dependent sizes taken at their largest (every element found, "
-                     "every value distinct) for %s: the estimate errs high there"
+                     "every value distinct, a segment per id) for %s: the estimate errs "
+                     "high there"
                      % ", ".join(bounded))
     return Resolved(inferred, notes, nominal or bool(bounded))
