@@ -648,6 +648,23 @@ def test_keras_keeps_a_byte_budget_automatically(caplog):
     assert loss == pytest.approx(plain, rel=1e-5)
 
 
+class _InUse(keras.callbacks.Callback):
+    """The CPU allocator's bytes in use before each batch fit trains on."""
+
+    def __init__(self):
+        super().__init__()
+        self.before = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+
+    def growth(self):
+        return max(self.before) - self.before[0]
+
+    def mib(self):
+        return [round(b / 2 ** 20, 1) for b in self.before]
+
+
 def test_keras_lets_go_of_the_batches_its_budget_loop_measured():
     # Each call the loop measures is given its batch again from a dataset of
     # its own (to run it again if the allocator refuses it); one made by
@@ -659,17 +676,13 @@ def test_keras_lets_go_of_the_batches_its_budget_loop_measured():
     model.compile(optimizer="sgd", jit_compile=False, loss=(
         keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
     memsave.keras.enable(model, budget="9MiB")
-    in_use = []
-
-    class InUse(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    in_use = _InUse()
     rng = np.random.RandomState(0)
     x, y = rng.randn(1024, 1024).astype("float32"), rng.randint(0, 4, 1024)  # 4 MiB a batch
-    model.fit(x, y, batch_size=1024, epochs=14, verbose=0, shuffle=False, callbacks=[InUse()])
+    model.fit(x, y, batch_size=1024, epochs=14, verbose=0, shuffle=False, callbacks=[in_use])
     loop = model.train_function.loop
     assert loop.settled_trace is not None and len(loop.peaks) >= 4
-    assert max(in_use) - in_use[0] < 2 * 2 ** 20, [round(b / 2 ** 20, 1) for b in in_use]
+    assert in_use.growth() < 2 * 2 ** 20, in_use.mib()
 
 
 def test_keras_lets_go_of_sparse_batches_its_budget_loop_measured():
@@ -684,19 +697,15 @@ def test_keras_lets_go_of_sparse_batches_its_budget_loop_measured():
     model.compile(optimizer="sgd", jit_compile=False, loss=(
         keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
     memsave.keras.enable(model, budget="80MiB")
-    in_use = []
-
-    class InUse(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            in_use.append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    in_use = _InUse()
     rng = np.random.RandomState(0)
     x = rng.randn(1024, 1024).astype("float32") * (rng.rand(1024, 1024) < 0.1)
     batches = tf.data.Dataset.from_tensor_slices(   # the batch axis unknown in its spec
         (tf.sparse.from_dense(x), rng.randint(0, 4, 1024))).batch(1024)
-    model.fit(batches, epochs=14, verbose=0, shuffle=False, callbacks=[InUse()])  # 2 MiB a batch
+    model.fit(batches, epochs=14, verbose=0, shuffle=False, callbacks=[in_use])  # 2 MiB a batch
     loop = model.train_function.loop
     assert loop.settled_trace is not None and len(loop.peaks) >= budget.MEASURED_CALLS
-    assert max(in_use) - in_use[0] < 2 ** 20, [round(b / 2 ** 20, 1) for b in in_use]
+    assert in_use.growth() < 2 ** 20, in_use.mib()
 
 
 @pytest.mark.parametrize("kind", ["ragged", "sparse", "mixed"])
