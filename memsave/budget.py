@@ -906,11 +906,17 @@ class MeasuredStep:
                 raise   # nothing in the step planned for a byte budget, or measured
             raise self._ran_out(error, settled=True) from error
         if self.loop.drifted(peak):
-            # Its function goes before the replan is built (never gone back to).
-            self._step = self._first = None
-            gc.collect()
+            self._let_go()   # the settled plan is never gone back to
             self._step, self._calls, self._peaks = self._build(), 0, []
         return out
+
+    def _let_go(self):
+        """Drop the plans' functions, with what their kernels hold, before the
+        next is built: TensorFlow's constant folding of the next function
+        crashed the process where an allocation it needed failed (DeBERTaV3
+        under a hard cap), and the next is measured without them."""
+        self._step = self._first = None
+        gc.collect()
 
     def _trial(self, args, kwargs):
         """A call while the loop measures: a call the allocator refuses is undone
@@ -1015,13 +1021,8 @@ class MeasuredStep:
             if self.loop.keeps_no_other_plan or (refused and self._first is None):
                 # The loop never goes back to a first plan the allocator
                 # refused, nor from a second replan below both plans or the
-                # lowest plan: the functions it leaves go before the next is
-                # built, with what their kernels hold (TensorFlow's constant
-                # folding of the next function crashed the process where an
-                # allocation it needed failed: DeBERTaV3 under a hard cap),
-                # and the next is measured without them.
-                self._step = self._first = None
-                gc.collect()
+                # lowest plan: the functions it leaves go (see _let_go).
+                self._let_go()
             elif self._first is None:
                 self._first = self._step   # the first plan, to go back to
             # (else the replan on trial goes, and the first plan stays)
