@@ -189,10 +189,11 @@ def _replayed_batch(model, args, kwargs):
         value = batches.get_next_as_optional()
         if not value.has_value():
             return lambda: (args, kwargs)   # the end of the data: Keras stops on its own
-        data, spec = value.get_value(), batches.element_spec
+        data = value.get_value()
+        dataset = _dataset_of(data, batches.element_spec)   # iterated again by each run
 
         def replay():
-            return (iter(_dataset_of(data, spec)),), {}
+            return (iter(dataset),), {}
         # Read here, before the call; a settled call reads it inside, where
         # the meter counts it (a 4 MiB batch: 2.2 MiB measured on trial, 7.2
         # once settled), so the loop adds it to the calls it measures.

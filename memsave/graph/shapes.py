@@ -197,14 +197,13 @@ def _infer(region, ancestors, hints):
     present = {n.name for n in graph_def.node}
     fixed = {n: s for n, s in fixed.items() if n.rsplit(":", 1)[0] in present}
     scratch = _imported(graph, graph_def, fixed)
-    bounded = []
+    bounded, dependent = [], [op for op in ancestors if op.type in DATA_DEPENDENT]
     for _ in range(_BOUND_ROUNDS):
         largest = {}
-        for op in ancestors:
-            if op.type in DATA_DEPENDENT:
-                for name, shape in _largest(scratch.get_operation_by_name("copy/" + op.name)):
-                    if name not in fixed:
-                        largest[name] = shape
+        for op in dependent:
+            for name, shape in _largest(scratch.get_operation_by_name("copy/" + op.name)):
+                if name not in fixed:
+                    largest[name] = shape
         if not largest:
             break
         fixed.update(largest)
