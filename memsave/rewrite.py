@@ -445,6 +445,8 @@ class _Rewrite:
         self.within = region.copyable
         self.prunable = not any(functions.is_loop(op) for op in region.ops)
         self.d_cp, self.d_xs = _Accumulator(), _Accumulator()
+        # The parts of xs' gradients that went on through a call in place.
+        self.d_passed = _Accumulator()
         self.segment = 0
         self.wait = []
         self.swapper = (_Swapper(region.graph, swap, "memsave_offload", ledger.foreign)
@@ -568,7 +570,8 @@ class _Rewrite:
         owners = [owner for owner, _ in reads.checkpoints]
         read_cp = [t for _, t in reads.checkpoints]
         asked_x = self._asked_xs(reads, boundary)
-        targets = read_cp + asked_x
+        passed = self._xs_passed_in_place(reads, boundary)
+        targets = read_cp + asked_x + passed
         if not targets:
             return
         grads_out = self._differentiate(copies, boundary, grads, targets, read_cp, barred,
@@ -579,6 +582,8 @@ class _Rewrite:
             self.d_cp.add(t, g)
         for t, g in zip(asked_x, grads_out[len(owners):]):
             self.d_xs.add(t, g)
+        for t, g in zip(passed, grads_out[len(owners) + len(asked_x):]):
+            self.d_passed.add(t, g)
         logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint read(s) and "
                      "%d x(s)", self.segment - 1, len(copies.of), len(read_cp), len(asked_x))
         self._hand_on()
@@ -634,6 +639,19 @@ class _Rewrite:
         asked = reads.refs | {self.aliases[ref].ref() for ref in reads.refs if ref in self.aliases}
         in_boundary = {id(b) for b in boundary}
         return [x for x, ref in self.leaf_refs if ref in asked or id(x) in in_boundary]
+
+    def _xs_passed_in_place(self, reads, boundary):
+        """The xs among the checkpoints that a function call differentiated in
+        place in this segment makes (besides its boundary). tf.gradients
+        differentiates such a call in the segment's own call (see
+        :func:`memsave.graph.region.in_place_closure`): the gradient arriving
+        there goes on through the call, so it is not the checkpoint's to
+        carry, but the x's result needs it (a helper found it dropped: an x
+        made by a tf.function called in a Graph, read by a while loop)."""
+        made_here = {t.op for t in boundary}
+        xs = {x.ref() for x in self.region.xs}
+        return [t for op in reads.in_place if op not in made_here for t in op.outputs
+                if t.ref() in xs and t.ref() in self.stop]
 
     def _differentiate(self, copies, boundary, grads, targets, read_cp, barred, own_values):
         """TensorFlow's gradients of ``boundary``'s copy w.r.t. ``targets``,
@@ -710,7 +728,8 @@ class _Rewrite:
         # The next segment waits for the running sums, not just the partials,
         # so each partial is folded in (and freed) before more is recomputed.
         # They cross over fenced (see memsave.graph.edit.fence).
-        fenced = self.d_cp.fence_changed() + self.d_xs.fence_changed()
+        fenced = (self.d_cp.fence_changed() + self.d_xs.fence_changed()
+                  + self.d_passed.fence_changed())
         self.ledger.inserted(fenced, fence=True)
         if fenced:
             self.wait = [_dense_part(g) for g in fenced]
@@ -720,6 +739,9 @@ class _Rewrite:
         results = []
         for x in self.region.xs:
             g = self.d_cp.total(x) if x.ref() in self.stop else self.d_xs.total(x)
+            passed = self.d_passed.total(x)
+            if passed is not None:
+                g = passed if g is None else aggregate([g, passed])
             if g is None and unconnected == tf.UnconnectedGradients.ZERO:
                 g = tf_internal.zeros_for_unconnected(x)
                 self.ledger.unconnected(g)
@@ -755,6 +777,7 @@ class _Reads:
 
     refs: set            # refs of every tensor read from outside
     checkpoints: list    # (checkpoint, the tensor read for it: itself or a substitute)
+    in_place: list       # the ops differentiated in place (see in_place_closure)
 
 
 def _segment_reads(copies, boundary, stop, read_as, region_ops):
@@ -784,7 +807,7 @@ def _segment_reads(copies, boundary, stop, read_as, region_ops):
                 owner = owner_of.get(t.ref())
             if owner is not None:
                 checkpoints.append((owner, t))
-    return _Reads(refs, checkpoints)
+    return _Reads(refs, checkpoints, in_place)
 
 
 def _read_copies(grad_ops, copies):

@@ -32,6 +32,12 @@ offloading, against plain ``tf.gradients`` on the same graph:
   differentiates a function call even when its output is a stop, so a call
   feeding an op kept in place (here a call reading a variable the step
   writes later) was differentiated twice.
+- *xs made by calls in place* (found by a helper trying to break
+  memsave): in a Graph, an x that a ``tf.function`` call makes (with
+  another x above the call) read by a while loop, a cond or another call.
+  That consumer is differentiated in place, and the call making the x with
+  it, so the gradient arriving at the x went on through the call and was
+  never asked for the x's own result: None (the audit refused it).
 - *gated reads*: a copied ``Pow`` reads its input through a gate
   (an Identity that carries its control inputs); when that input was an
   offloaded checkpoint's swap-in, the swap-in's gradient was not asked for.
@@ -92,6 +98,7 @@ import memsave
 import memsave.keras
 from memsave.graph import stateful
 from memsave.planning import policies
+from tests.helpers import assert_same_as_plain
 
 STRATEGIES = ("list", "optimal", "memory", "speed")
 OFFLOAD = (None, "auto")
@@ -1152,3 +1159,32 @@ def test_buffer_facts_agree_with_the_walk_through_chains_and_tf1_loops():
     assert [r.op.name for r in stateful.ref_variables(loop[1])] == [s.op.name]
     # The loop's Merge reaches itself through the body's identity: walked whole.
     assert stateful.BufferFacts()._derived(loop[1]) is None   # pylint: disable=W0212
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "speed", "memory"])
+@pytest.mark.parametrize("consumer", ["while", "call", "cond"])
+def test_an_x_made_by_a_call_and_read_in_place_gets_its_gradient(consumer, strategy):
+    """An x made by a function call in a Graph, another x above the call, the
+    first read by an op differentiated in place with the call that makes
+    it: the gradient arriving at the x is part of its result (it was None)."""
+    called = tf.function(lambda a, w: tf.sin(tf.matmul(a, w)) + a)
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        w = tf.Variable(rng.randn(8, 8) * 0.4)
+        w2 = tf.Variable(rng.randn(8, 8) * 0.4)
+        made = called(tf.tanh(tf.constant(rng.randn(4, 8))), w)
+        if consumer == "while":
+            _, out = tf.while_loop(lambda i, a: i < 2,
+                                   lambda i, a: (i + 1, tf.tanh(tf.matmul(a, w2))), [0, made])
+        elif consumer == "call":
+            out = called(made, w2)
+        else:
+            out = tf.cond(tf.reduce_sum(w2) > -1e9, lambda: tf.tanh(made @ w2),
+                          lambda: made * 2.0)
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(out, w2)) ** 2)
+        xs = [made, w]
+        grads = memsave.gradients(loss, xs, checkpoints=strategy, fallback=False,
+                                  min_checkpoint_size=1)
+    assert all(g is not None for g in grads)
+    assert_same_as_plain(graph, loss, xs, grads)
