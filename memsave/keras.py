@@ -88,6 +88,42 @@ def data_batch_size(x, batch_size=None):
     return min(batch_size or 32, n) if n else None
 
 
+def _first_batch_size(data):
+    """The leading size of a ``tf.data.Dataset``'s first element, or None:
+    only for dense elements whose one unknown dimension is the batch's (a
+    sparse or ragged batch's other sizes stay nominal, and a plan for the
+    real batch with them is no better than the nominal one)."""
+    if not isinstance(data, tf.data.Dataset):
+        return None
+    specs = tf.nest.flatten(data.element_spec)
+    if not specs or not all(isinstance(s, tf.TensorSpec) and s.shape.rank
+                            and s.shape[1:].is_fully_defined() for s in specs):
+        return None
+    try:
+        first = next(iter(data.take(1)))
+    except (StopIteration, tf.errors.OpError):
+        return None
+    dims = [t.shape[0] for t in tf.nest.flatten(first, expand_composites=True)
+            if getattr(t, "shape", None) is not None and t.shape.rank]
+    return dims[0] if dims else None
+
+
+def _batch_for(settings, batch_of, args, kwargs):
+    """The batch size the data gives (``batch_of``). Under a byte budget a
+    dataset whose batch dimension is unknown (``batch()`` without
+    ``drop_remainder``) is read for its first element: the loop keeps bytes,
+    and a plan for a guessed batch (32 where 600 came) is dominated by the
+    weights' gradients, recomputes little and misleads the loop (a helper
+    saw BudgetError where plans at 9 MiB fit a 15 MiB budget)."""
+    found = batch_of(*args, **kwargs)
+    if found is None and budget.is_bytes(settings.budget):
+        found = _first_batch_size(args[0] if args else kwargs.get("x"))
+        if found is not None:
+            logger.info("memsave.keras: the dataset's batch dimension is unknown; its first "
+                        "batch has %d, planned for", found)
+    return found
+
+
 def _remembering_batch(model, method, batch_of):
     """Wrap ``method`` so the batch its data gives is set before it traces,
     and a failed ``verify=`` check is a GradientMismatchError."""
@@ -95,7 +131,7 @@ def _remembering_batch(model, method, batch_of):
     def wrapper(*args, **kwargs):
         state = model.__dict__.get(_ATTR)
         if state is not None:
-            state["data_batch"] = batch_of(*args, **kwargs)
+            state["data_batch"] = _batch_for(state["settings"], batch_of, args, kwargs)
         with verify.mismatch_raised():
             return method(*args, **kwargs)
     return wrapper
@@ -197,9 +233,7 @@ def _replayed_batch(model, args, kwargs):
         # Read here, before the call; a settled call reads it inside, where
         # the meter counts it (a 4 MiB batch: 2.2 MiB measured on trial, 7.2
         # once settled), so the loop adds it to the calls it measures.
-        replay.read_ahead = sum(t.shape.num_elements() * t.dtype.size
-                                for t in tf.nest.flatten(data, expand_composites=True)
-                                if t.shape.is_fully_defined())
+        replay.read_ahead = replay.batch_bytes = budget.batch_bytes(data)
         return replay
     if isinstance(batches, collections.abc.Iterator) and not isinstance(
             batches, tf.distribute.DistributedIterator):
@@ -324,12 +358,13 @@ class MemorySavingModel:
     memsave_options = {}   # further memsave.gradients options, e.g. {"budget": 0.3}
 
     def fit(self, *args, **kwargs):
-        self._memsave_data_batch = _fit_batch(*args, **kwargs)
+        self._memsave_data_batch = _batch_for(self._memsave_settings(), _fit_batch, args, kwargs)
         with verify.mismatch_raised():
             return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        self._memsave_data_batch = _train_on_batch_batch(*args, **kwargs)
+        self._memsave_data_batch = _batch_for(self._memsave_settings(), _train_on_batch_batch,
+                                              args, kwargs)
         with verify.mismatch_raised():
             return super().train_on_batch(*args, **kwargs)
 

@@ -152,7 +152,7 @@ def test_a_lowest_plan_measured_over_the_budget_is_a_budget_error_on_every_call(
     loop.trace.promise, loop.trace.estimates, loop.trace.lowest = 100, [60], True
     # All but one measured call of the replan are in; the next one is observed.
     step._calls = budget.MEASURED_CALLS   # pylint: disable=protected-access
-    step._peaks = [0] * (budget.MEASURED_CALLS - 1)   # pylint: disable=protected-access
+    step._peaks = [(0, None)] * (budget.MEASURED_CALLS - 1)   # pylint: disable=protected-access
     # The replan measures over 100 bytes (its 256 KiB are).
     with pytest.raises(memsave.BudgetError, match="the lowest plan measured"):
         step()
@@ -486,7 +486,7 @@ def test_a_budgeted_step_lets_the_other_plan_go_before_it_is_measured_again():
     step._first, step._step = step._step, build()   # pylint: disable=protected-access
     loop.trace.promise, loop.trace.estimates = 2 ** 30, [2 ** 29]
     step._calls = budget.MEASURED_CALLS   # pylint: disable=protected-access
-    step._peaks = [0] * (budget.MEASURED_CALLS - 1)   # pylint: disable=protected-access
+    step._peaks = [(0, None)] * (budget.MEASURED_CALLS - 1)   # pylint: disable=protected-access
     step()   # the replan's last measured call: kept, measured again
     assert loop.confirming is not None and not loop.done
     assert made[0]() is None and made[1]() is not None   # the first plan's function is gone
@@ -1233,3 +1233,45 @@ def test_a_call_the_allocator_refuses_is_a_budget_error():
     step = budget.MeasuredStep(build, "test")
     with pytest.raises(tf.errors.ResourceExhaustedError):
         step()
+
+
+def test_a_smaller_last_batch_is_not_taken_for_the_calls_variation():
+    """The spread a plan keeps below its budget is its calls' variation: a
+    call on a smaller batch (an epoch's last, batched without
+    ``drop_remainder``) measures less, and that is no variation."""
+    mib = 2 ** 20
+    spread = budget._spread   # pylint: disable=protected-access
+    assert spread([(12.5 * mib, 600), (12.4 * mib, 600), (6.0 * mib, 248)]) == pytest.approx(
+        0.1 * mib)
+    assert spread([(12.5 * mib, None), (6.0 * mib, None), (12.0 * mib, None)]) == 6.5 * mib
+    assert spread([(10 * mib, 8), (11 * mib, 8), (12 * mib, 8)]) == 2 * mib
+
+
+def test_keras_plans_a_byte_budget_for_the_first_batch_of_a_dataset_of_unknown_batch(caplog):
+    # A dataset batched without drop_remainder has no static batch size: the
+    # step was planned for 32 samples where 600 came, its plans dominated by
+    # the weights' gradients, and with the smaller last batch taken for the
+    # calls' variation the loop raised BudgetError where plans at 9 MiB fit
+    # 15 (a helper found it).
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((64,))] + [
+            keras.layers.Dense(256, activation="tanh") for _ in range(10)]
+            + [keras.layers.Dense(5)])
+        model.compile(optimizer="adam", jit_compile=False, loss=(
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+        return model
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2048, 64)), rng.integers(0, 5, 2048)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(600)
+    assert data.element_spec[0].shape[0] is None
+    plain = build()
+    plain.fit(data, epochs=4, verbose=0)
+    model = memsave.keras.enable(build(), budget="7MiB")
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        model.fit(data, epochs=4, verbose=0)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("its first batch has 600" in m for m in said), said
+    assert model.train_function.loop.settled_trace is not None, said
+    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
