@@ -243,7 +243,8 @@ def test_max_recompute_caps_the_recomputed_work():
 def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
     """A budget asks for the least recomputation whose estimate fits: never
     more than a recompute cap's plan (keep the matmuls, recompute the GELUs)
-    that fits the same budget. The budget used to pick among the
+    that fits the same budget, but for what two searches from different
+    starts may differ by (1% of it). The budget used to pick among the
     lowest-peak cuts only (30% of a step where 22% fits 0.5)."""
     chain = tanh_chain(12, batch=256, width=64, scale=1 / 8, square=False, residual=True,
                        activation=gelu)
@@ -257,7 +258,7 @@ def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
             fitting = [p.recompute_fraction for p in capped
                        if p.estimated_peak_bytes <= budget * p.plain_peak_bytes]
             assert fitting, "no capped plan fits %s: the comparison says nothing" % budget
-            assert plan.recompute_fraction <= min(fitting) + 1e-9, (budget, plan.summary())
+            assert plan.recompute_fraction <= 1.01 * min(fitting), (budget, plan.summary())
         grads = memsave.gradients(loss, ws, checkpoints="optimal", budget=0.5)
     assert_same_as_plain(graph, loss, ws, grads)
 
@@ -387,19 +388,54 @@ def test_a_search_by_count_dropped_finds_a_narrow_window_that_fits():
 def test_a_budget_between_candidate_plans_is_spent_on_less_recomputation(monkeypatch):
     """The candidates of a transformer lie far apart (GPT2 at 128 tokens: 62
     and 79 MiB, recomputing 10% and 6.3% of a training step); blends of the
-    fastest that fits with faster ones over the budget (_fills) find plans
-    between them that fit and recompute less."""
+    fastest that fits with faster ones over the budget (_fills) and the
+    chosen plan's refinement (_refined) find plans between them that fit
+    and recompute less."""
     optimal_module = sys.modules[optimal.__module__]   # the function shadows its module
     from tests.test_recompute_cost import _attention   # pylint: disable=C0415
     graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
     with graph.as_default():
         filled = memsave.plan(loss, weights, checkpoints="optimal", budget=0.35)
         monkeypatch.setattr(optimal_module, "_fills", lambda *args, **kwargs: [])
+        monkeypatch.setattr(optimal_module, "_REFINE_PASSES", 0)
         unfilled = memsave.plan(loss, weights, checkpoints="optimal", budget=0.35)
     for plan in (filled, unfilled):
         assert plan.estimated_peak_bytes <= 0.35 * plan.plain_peak_bytes, plan.summary()
     assert filled.recompute_fraction < 0.95 * unfilled.recompute_fraction, (
         filled.summary(), unfilled.summary())
+
+
+@pytest.mark.parametrize("option, value", [("budget", 0.5), ("budget", 0.7),
+                                           ("max_recompute", 0.1)])
+def test_a_plan_spends_its_budget_or_cap_where_it_lowers_the_peak(monkeypatch, option, value):
+    """A transformer at a long sequence: the chosen plan recomputed tensors
+    whose recomputation does not lower the peak (the last layer's, run at
+    the start of the backward pass) and, under a budget, landed below it.
+    Refined (_refined), a budget's plan recomputes far less at no higher a
+    peak (here 0.5: 13.7% of a training step, then 10.8%; 0.7: 7.8%, then
+    3.7%) and a cap's reaches a lower peak within the same cap (0.1: 55% of
+    plain's estimate, then 52%)."""
+    optimal_module = sys.modules[optimal.__module__]   # the function shadows its module
+    from tests.test_recompute_cost import _attention   # pylint: disable=C0415
+    graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
+    with graph.as_default():
+        refined = memsave.plan(loss, weights, checkpoints="optimal", **{option: value})
+        monkeypatch.setattr(optimal_module, "_REFINE_PASSES", 0)
+        chosen = memsave.plan(loss, weights, checkpoints="optimal", **{option: value})
+    if option == "budget":
+        assert refined.estimated_peak_bytes <= chosen.estimated_peak_bytes <= (
+            value * chosen.plain_peak_bytes), (refined.summary(), chosen.summary())
+        assert refined.recompute_fraction < 0.85 * chosen.recompute_fraction, (
+            refined.summary(), chosen.summary())
+    else:
+        for plan in (refined, chosen):
+            assert plan.recompute_fraction <= value, plan.summary()
+        assert refined.estimated_peak_bytes < 0.97 * chosen.estimated_peak_bytes, (
+            refined.summary(), chosen.summary())
+    monkeypatch.undo()
+    with graph.as_default():
+        grads = memsave.gradients(loss, weights, checkpoints="optimal", **{option: value})
+    assert_same_as_plain(graph, loss, weights, grads)
 
 
 def test_a_tight_cap_drops_what_plain_keeps_that_is_cheapest_to_recompute():
