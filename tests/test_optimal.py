@@ -240,25 +240,29 @@ def test_max_recompute_caps_the_recomputed_work():
     assert_same_as_plain(graph, loss, ws, grads)
 
 
-def test_budget_recomputes_no_more_than_a_capped_plan_that_fits():
+def test_budget_recomputes_no_more_than_a_capped_plan_that_fits(monkeypatch):
     """A budget asks for the least recomputation whose estimate fits: never
     more than a recompute cap's plan (keep the matmuls, recompute the GELUs)
-    that fits the same budget, but for what two searches from different
-    starts may differ by (1% of it). The budget used to pick among the
-    lowest-peak cuts only (30% of a step where 22% fits 0.5)."""
+    that fits the same budget, as the cap's candidate search finds it (a
+    cap's plan is then refined, a budget's not: see optimal._refined). The
+    budget used to pick among the lowest-peak cuts only (30% of a step where
+    22% fits 0.5)."""
+    optimal_module = sys.modules[optimal.__module__]   # the function shadows its module
     chain = tanh_chain(12, batch=256, width=64, scale=1 / 8, square=False, residual=True,
                        activation=gelu)
     graph, loss, ws = chain.graph, chain.loss, chain.ws
     with graph.as_default():
+        monkeypatch.setattr(optimal_module, "_REFINE_PASSES", 0)
         capped = [memsave.plan(loss, ws, checkpoints="optimal", max_recompute=c)
                   for c in np.arange(0.1, 1.01, 0.1) / 3]
+        monkeypatch.undo()
         for budget in (0.5, 0.6):
             plan = memsave.plan(loss, ws, checkpoints="optimal", budget=budget)
             assert plan.estimated_peak_bytes <= budget * plan.plain_peak_bytes
             fitting = [p.recompute_fraction for p in capped
                        if p.estimated_peak_bytes <= budget * p.plain_peak_bytes]
             assert fitting, "no capped plan fits %s: the comparison says nothing" % budget
-            assert plan.recompute_fraction <= 1.01 * min(fitting), (budget, plan.summary())
+            assert plan.recompute_fraction <= min(fitting) + 1e-9, (budget, plan.summary())
         grads = memsave.gradients(loss, ws, checkpoints="optimal", budget=0.5)
     assert_same_as_plain(graph, loss, ws, grads)
 
@@ -388,16 +392,14 @@ def test_a_search_by_count_dropped_finds_a_narrow_window_that_fits():
 def test_a_budget_between_candidate_plans_is_spent_on_less_recomputation(monkeypatch):
     """The candidates of a transformer lie far apart (GPT2 at 128 tokens: 62
     and 79 MiB, recomputing 10% and 6.3% of a training step); blends of the
-    fastest that fits with faster ones over the budget (_fills) and the
-    chosen plan's refinement (_refined) find plans between them that fit
-    and recompute less."""
+    fastest that fits with faster ones over the budget (_fills) find plans
+    between them that fit and recompute less."""
     optimal_module = sys.modules[optimal.__module__]   # the function shadows its module
     from tests.test_recompute_cost import _attention   # pylint: disable=C0415
     graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
     with graph.as_default():
         filled = memsave.plan(loss, weights, checkpoints="optimal", budget=0.35)
         monkeypatch.setattr(optimal_module, "_fills", lambda *args, **kwargs: [])
-        monkeypatch.setattr(optimal_module, "_REFINE_PASSES", 0)
         unfilled = memsave.plan(loss, weights, checkpoints="optimal", budget=0.35)
     for plan in (filled, unfilled):
         assert plan.estimated_peak_bytes <= 0.35 * plan.plain_peak_bytes, plan.summary()
@@ -405,36 +407,31 @@ def test_a_budget_between_candidate_plans_is_spent_on_less_recomputation(monkeyp
         filled.summary(), unfilled.summary())
 
 
-@pytest.mark.parametrize("option, value", [("budget", 0.5), ("budget", 0.7),
-                                           ("max_recompute", 0.1)])
-def test_a_plan_spends_its_budget_or_cap_where_it_lowers_the_peak(monkeypatch, option, value):
-    """A transformer at a long sequence: the chosen plan recomputed tensors
-    whose recomputation does not lower the peak (the last layer's, run at
-    the start of the backward pass) and, under a budget, landed below it.
-    Refined (_refined), a budget's plan recomputes far less at no higher a
-    peak (here 0.5: 13.7% of a training step, then 10.8%; 0.7: 7.8%, then
-    3.7%) and a cap's reaches a lower peak within the same cap (0.1: 55% of
-    plain's estimate, then 52%)."""
+@pytest.mark.parametrize("cap", [0.05, 0.1])
+def test_a_capped_plan_spends_its_cap_where_it_lowers_the_peak(monkeypatch, cap):
+    """A transformer at a long sequence: the plan chosen under a cap
+    recomputed tensors whose recomputation does not lower the peak (the last
+    layer's, run at the start of the backward pass). Refined (_refined), it
+    reaches a lower peak within the same cap (0.05: 64% of plain's
+    estimate, then 63%; 0.1: 55%, then 52%). A budget's plan is not refined
+    (estimates run low where plans keep more)."""
     optimal_module = sys.modules[optimal.__module__]   # the function shadows its module
     from tests.test_recompute_cost import _attention   # pylint: disable=C0415
     graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
     with graph.as_default():
-        refined = memsave.plan(loss, weights, checkpoints="optimal", **{option: value})
+        refined = memsave.plan(loss, weights, checkpoints="optimal", max_recompute=cap)
+        budgeted = memsave.plan(loss, weights, checkpoints="optimal", budget=0.6)
         monkeypatch.setattr(optimal_module, "_REFINE_PASSES", 0)
-        chosen = memsave.plan(loss, weights, checkpoints="optimal", **{option: value})
-    if option == "budget":
-        assert refined.estimated_peak_bytes <= chosen.estimated_peak_bytes <= (
-            value * chosen.plain_peak_bytes), (refined.summary(), chosen.summary())
-        assert refined.recompute_fraction < 0.85 * chosen.recompute_fraction, (
-            refined.summary(), chosen.summary())
-    else:
-        for plan in (refined, chosen):
-            assert plan.recompute_fraction <= value, plan.summary()
-        assert refined.estimated_peak_bytes < 0.97 * chosen.estimated_peak_bytes, (
-            refined.summary(), chosen.summary())
+        chosen = memsave.plan(loss, weights, checkpoints="optimal", max_recompute=cap)
+        assert memsave.plan(loss, weights, checkpoints="optimal", budget=0.6).checkpoints == (
+            budgeted.checkpoints)
+    for plan in (refined, chosen):
+        assert plan.recompute_fraction <= cap, plan.summary()
+    assert refined.estimated_peak_bytes < 0.985 * chosen.estimated_peak_bytes, (
+        refined.summary(), chosen.summary())
     monkeypatch.undo()
     with graph.as_default():
-        grads = memsave.gradients(loss, weights, checkpoints="optimal", **{option: value})
+        grads = memsave.gradients(loss, weights, checkpoints="optimal", max_recompute=cap)
     assert_same_as_plain(graph, loss, weights, grads)
 
 
@@ -453,18 +450,22 @@ def test_a_tight_cap_drops_what_plain_keeps_that_is_cheapest_to_recompute():
             assert plan.estimated_peak_bytes < 0.9 * plan.plain_peak_bytes, plan.summary()
 
 
-def test_under_xla_a_budget_recomputes_no_more_than_a_capped_plan_that_fits_it():
+def test_under_xla_a_budget_recomputes_no_more_than_a_capped_plan_that_fits_it(monkeypatch):
     """Under XLA a budget also tries what plain backprop keeps less the
     cheapest to recompute (the cap's plans; without XLA their estimates run
     low, see optimal._candidate_kept_sets), so it never recomputes more
-    than a capped plan estimated to fit it (GPT2 at 1,024 tokens, half of
-    plain's peak: 14% of a training step recomputed before, 2.6% now)."""
+    than a capped plan estimated to fit it, as the cap's candidate search
+    finds it (then refined, see optimal._refined; GPT2 at 1,024 tokens, half
+    of plain's peak: 14% of a training step recomputed before, 2.6% now)."""
+    optimal_module = sys.modules[optimal.__module__]   # the function shadows its module
     from tests.test_recompute_cost import _attention   # pylint: disable=C0415
     graph, loss, weights = _attention(seq=256, width=128, heads=2, layers=4)
     with graph.as_default():
         for cap in (0.033, 0.067):
+            monkeypatch.setattr(optimal_module, "_REFINE_PASSES", 0)
             capped = memsave.plan(loss, weights, checkpoints="optimal", max_recompute=cap,
                                   xla=True)
+            monkeypatch.undo()
             budget = capped.estimated_peak_bytes / capped.plain_peak_bytes + 0.01
             fitted = memsave.plan(loss, weights, checkpoints="optimal", budget=budget, xla=True)
             assert fitted.estimated_peak_bytes <= budget * fitted.plain_peak_bytes

@@ -390,11 +390,8 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
                     ["no checkpointed plan recomputes at most %g%% of a training step: "
                      "plain backprop" % (100 * max_recompute)], recompute_fraction=0.0)
     peak, _, kept, off, flops = _choose(options, limit, cap, plain, max_recompute, offload)
-    if (limit is not None or cap is not None) and not off and kept:
-        kept, peak, flops = _refined(graph, prepared, kept, forced, limit, cap, peak, flops)
-        if limit is not None:
-            kept, peak, flops = _refined_from_below(graph, prepared, options, forced, limit,
-                                                    (kept, peak, flops))
+    if cap is not None and limit is None and not off and kept:
+        kept, peak, flops = _refined(graph, prepared, kept, forced, cap, peak, flops)
     notes = [] if limit is None else ["budget %.1f MiB" % (limit / 2**20)]
     if cap is not None:
         notes.append("recompute capped at %g%% of a training step" % (100 * max_recompute))
@@ -403,47 +400,37 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
                 offloaded=off, host_bytes=host_bytes(graph, off))
 
 
-def _refined(graph, prepared, kept, forced, limit, cap, peak, flops):
-    """The chosen plan ``kept`` (estimated ``peak``, recomputing ``flops``)
-    with its recomputation spent where it lowers the peak: ``(kept, peak,
-    flops)``, never estimated above ``peak``.
+def _refined(graph, prepared, kept, forced, cap, peak, flops):
+    """The plan ``kept`` chosen under ``cap`` (estimated ``peak``, recomputing
+    ``flops``) with its recomputation spent where it lowers the peak:
+    ``(kept, peak, flops)``.
 
     The candidates drop tensors in one order (cheapest per byte first) or
     blend two plans, and what they drop is not all where the peak is: a
     transformer's last layer is recomputed at the start of the backward
-    pass, below the peak. Each pass first keeps again the dropped tensors
-    (those plain backprop keeps) whose recomputation costs most, one at a
-    time, where the estimate stays at or below the peak (under a budget
-    ``limit``: the chosen plan's peak; GPT2 at 1,024 tokens under 70% of
-    plain's estimate: 68% of it recomputing 12% of a training step, then
-    6%). Then it drops the largest kept tensors, cheapest per byte first,
-    where that lowers the peak within ``cap`` (under a budget: within what
-    the pass started with, to keep more again in the next pass; GPT2 at
-    1,024 tokens and 768 wide under ``max_recompute=0.1``: 44% of plain's
-    estimate, then 40%). The costliest (largest) are tried, as many per pass
-    as a graph of its size affords (:data:`_REFINE_WORK`). Under a budget
-    the least recomputation seen is returned, else the lowest peak.
+    pass, below the peak. Each pass keeps again the dropped tensors (those
+    plain backprop keeps) whose recomputation costs most, one at a time,
+    where the estimate does not rise, then drops the largest kept tensors,
+    cheapest per byte first, where that lowers it within the cap. The
+    costliest (largest) are tried, as many per pass as a graph of its size
+    affords (:data:`_REFINE_WORK`). On the zoo, measured: MobileNetV2 under
+    ``max_recompute=0.05`` at 70% of plain's peak (80% before), GPT2 at
+    1,024 tokens under 0.1 at 54% (61%).
 
-    Not filled up to the budget: estimates run low by more where a plan
-    keeps more (see :func:`_candidate_kept_sets`), and a byte budget's first
-    plan then measured over it (GPT2 and BERT at 1,024 tokens under half of
-    plain's peak: 107% of it).
+    Not for budgets: there the moves keep more where the estimate has room
+    and it runs low by more where a plan keeps more (see
+    :func:`_candidate_kept_sets`): with budgets refined, a run of the zoo's
+    budgets (``benchmarks.zoo``, 'budget' configurations) had 7 of 20 with a
+    call over the budget, against 3 unrefined.
     """
     moves = _Moves(graph, prepared, forced)
     kept = set(kept)
-    best, ceiling = (flops, kept, peak), peak
     for _ in range(_REFINE_PASSES):
-        start = flops
-        kept, flops, kept_more = moves.keep_again(kept, flops, peak if limit is None else ceiling)
+        kept, flops, kept_more = moves.keep_again(kept, flops, peak)
         peak = simulate_peak(graph, kept | moves.forced, prepared)
-        if flops < best[0]:
-            best = (flops, kept, peak)
-        within = start if cap is None else min(cap, start) if limit is not None else cap
-        kept, flops, peak, dropped_more = moves.drop_where_lower(kept, flops, peak, within)
+        kept, flops, peak, dropped_more = moves.drop_where_lower(kept, flops, peak, cap)
         if not (kept_more or dropped_more):
             break
-    if limit is not None:
-        flops, kept, peak = best
     return topological(graph, kept), peak, flops
 
 
@@ -492,26 +479,6 @@ class _Moves:
                 kept, flops, changed = trial, spent, True
                 peak = simulate_peak(graph, kept | self.forced, self.prepared)
         return kept, flops, peak, changed
-
-
-def _refined_from_below(graph, prepared, options, forced, limit, chosen):
-    """``chosen`` (``(kept, peak, flops)``, refined for ``limit``), or a plan
-    that recomputes less: the option over the limit closest to it among
-    those that recompute less, its recomputation then spent where it lowers
-    the peak (:func:`_refined` under a cap of ``chosen``'s), refined again
-    for the limit if it comes to fit. A cap's refined plan can so fit a
-    budget that the budget's own refinement, from another start, misses."""
-    kept, peak, flops = chosen
-    over = [p for p in options if p[0] > limit and p[4] < flops and not p[3]]
-    if not over:
-        return chosen
-    start = min(over, key=lambda p: (p[0], p[4]))
-    lower, low_peak, low_flops = _refined(graph, prepared, start[2], forced, None, flops,
-                                          start[0], start[4])
-    if low_peak > limit:
-        return chosen
-    found = _refined(graph, prepared, lower, forced, limit, None, low_peak, low_flops)
-    return found if found[2] < flops else chosen
 
 
 def _check_options(budget, offload, max_recompute):
