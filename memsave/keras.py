@@ -103,9 +103,7 @@ def _first_batch_size(data):
         first = next(iter(data.take(1)))
     except (StopIteration, tf.errors.OpError):
         return None
-    dims = [t.shape[0] for t in tf.nest.flatten(first, expand_composites=True)
-            if getattr(t, "shape", None) is not None and t.shape.rank]
-    return dims[0] if dims else None
+    return _leading_size(first)
 
 
 def _batch_for(settings, batch_of, args, kwargs):

@@ -447,6 +447,7 @@ class _Rewrite:
         self.d_cp, self.d_xs = _Accumulator(), _Accumulator()
         # The parts of xs' gradients that went on through a call in place.
         self.d_passed = _Accumulator()
+        self.x_refs = {x.ref() for x in region.xs}
         self.segment = 0
         self.wait = []
         self.swapper = (_Swapper(region.graph, swap, "memsave_offload", ledger.foreign)
@@ -649,9 +650,8 @@ class _Rewrite:
         carry, but the x's result needs it (a helper found it dropped: an x
         made by a tf.function called in a Graph, read by a while loop)."""
         made_here = {t.op for t in boundary}
-        xs = {x.ref() for x in self.region.xs}
         return [t for op in reads.in_place if op not in made_here for t in op.outputs
-                if t.ref() in xs and t.ref() in self.stop]
+                if t.ref() in self.x_refs and t.ref() in self.stop]
 
     def _differentiate(self, copies, boundary, grads, targets, read_cp, barred, own_values):
         """TensorFlow's gradients of ``boundary``'s copy w.r.t. ``targets``,
@@ -739,9 +739,7 @@ class _Rewrite:
         results = []
         for x in self.region.xs:
             g = self.d_cp.total(x) if x.ref() in self.stop else self.d_xs.total(x)
-            passed = self.d_passed.total(x)
-            if passed is not None:
-                g = passed if g is None else aggregate([g, passed])
+            g = aggregate([g, self.d_passed.total(x)])
             if g is None and unconnected == tf.UnconnectedGradients.ZERO:
                 g = tf_internal.zeros_for_unconnected(x)
                 self.ledger.unconnected(g)
