@@ -61,6 +61,7 @@ try:
     import tensorflow.python.ops.ref_variable
     import tensorflow.python.util.variable_utils
     import tensorflow.python.ops.resource_variable_ops
+    import tensorflow.compiler.xla.service.hlo_pb2
 except ImportError as _e:
     raise ImportError(_missing_message("module %s" % (_e.name or ""), _e)) from _e
 
@@ -220,6 +221,11 @@ _SYMBOLS_TABLE = (
     # allocator events are the only per-allocation record of a step; TF exports
     # no reader for the file.
     ("XSpace", "tensorflow.tsl.profiler.protobuf.xplane_pb2.XSpace"),
+    # XLA's compiled module with its buffer assignment (what
+    # experimental_get_compiler_ir(stage="optimized_hlo_proto_serialized")
+    # returns, serialized): the only record of the buffers a compiled
+    # function allocates inside its call; TF exports no reader for it.
+    ("HloProto", "tensorflow.compiler.xla.service.hlo_pb2.HloProto"),
     # The modules memsave.patch() patches besides tf and tf.compat.v1:
     # tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.
     ("gradients_impl_module", "tensorflow.python.ops.gradients_impl"),
@@ -260,6 +266,17 @@ def function_options(function):
     return dict(jit_compile=function._jit_compile,  # pylint: disable=protected-access
                 reduce_retracing=function._reduce_retracing,  # pylint: disable=protected-access
                 autograph=function._autograph)  # pylint: disable=protected-access
+
+
+def xla_temp_bytes(serialized):
+    """The bytes XLA's buffer assignment gives a compiled function's temporaries
+    (not its parameters, outputs, constants or thread-local scalars), from a
+    serialized HloProto (see :data:`HloProto`)."""
+    proto = HloProto()
+    proto.ParseFromString(serialized)
+    return sum(a.size for a in proto.buffer_assignment.buffer_allocations
+               if not (a.is_entry_computation_parameter or a.maybe_live_out or a.is_constant
+                       or a.is_thread_local))
 
 
 def clear_kernel_cache():

@@ -16,7 +16,7 @@ import tensorflow as tf
 from memsave import tf_internal
 
 from memsave.errors import V1ControlFlowError
-from memsave.graph import functions, optable
+from memsave.graph import compiled_calls, functions, optable
 from memsave.graph.optable import grad_reads
 from memsave.graph.stateful import BufferFacts, is_pinned, written_handles
 from memsave.graph.walk import backward_ops, carries_gradient, forward_ops, topo_order
@@ -488,7 +488,8 @@ def to_plan_graph(region, batch_size=None, shapes=None, compiled=False):
     reads = backprop_reads(region)
     marks = _marks(region, reads, compiled)
     _add_leaf_xs(g, region.leaf_xs, shape_of, batch_size)
-    g.unknown_dims = _add_region_tensors(g, region, reads, marks, shape_of, batch_size)
+    g.unknown_dims = _add_region_tensors(g, region, reads, marks, shape_of, batch_size,
+                                         compiled)
     return g
 
 
@@ -532,21 +533,28 @@ def _add_leaf_xs(g, leaf_xs, shape_of, batch_size):
                                  if differentiable(x) and elements is not None else None))
 
 
-def _add_region_tensors(g, region, reads, marks, shape_of, batch_size):
+def _add_region_tensors(g, region, reads, marks, shape_of, batch_size, compiled):
     """Add every region op's outputs in topological order, with edges from the
-    op's region (or x) inputs; returns how many have a shape not fully known."""
+    op's region (or x) inputs; returns how many have a shape not fully known.
+
+    Scratch of a backward op: a loop's accumulators, an XLA-compiled call's
+    buffers (where the step itself is not compiled: XLA then inlines the
+    call and plans its buffers with the step's)."""
     x_names = {x.name for x in region.leaf_xs}
     index, unknown = 0, 0
     for op in region.order:
         cost = op_cost(op, shape_of)
         kind = optable.flags(op.type)
-        accumulated = loop_accumulators(op, batch_size) if functions.is_loop(op) else 0
+        if functions.is_loop(op):
+            scratch = loop_accumulators(op, batch_size)
+        else:
+            scratch = 0 if compiled else compiled_calls.gradient_scratch(op, shape_of)
         for k, t in enumerate(op.outputs):
             shape = shape_of(t)
             forwarded = optable.forwarded_input(op, k)
             g.add_tensor(t.name, order=index, shares_buffer=(
                 forwarded.name if forwarded is not None and g.has_node(forwarded.name)
-                else None), scratch_bytes=accumulated,
+                else None), scratch_bytes=scratch,
                 **_output_fields(t, op, shape, cost, kind, reads, marks, region, batch_size))
             index += 1
             if not shape.is_fully_defined():
