@@ -11,7 +11,7 @@ import tensorflow as tf
 import memsave
 from memsave.graph import compiled_calls
 from memsave.graph.region import loop_accumulators
-from memsave.profile import peak_memory, session_step
+from memsave.profile import peak_breakdown, peak_memory, session_step
 from tests.builders import gelu
 
 BATCH, WIDTH = 4096, 64
@@ -367,16 +367,20 @@ def test_an_xla_compiled_calls_gradient_scratch_is_in_the_estimate():
     plan under a budget ran 42% over it without this. The scratch XLA's
     buffer assignment gives it is the meter's."""
     step, found = _grouped_conv_step()
-    measured = peak_memory(step)
+    step()
+    # What the ops asked for at the peak: BFC may hand the buffer a larger
+    # free chunk, depending on what earlier tests in the process freed.
+    breakdown = peak_breakdown(step)
+    asked = breakdown.peak - breakdown.slack
     plan, calls = found["plan"], found["calls"]
     assert len(calls) == 2
     scratch = compiled_calls.gradient_scratch(calls[0])
     assert 2 * 256 ** 2 * 49 * 4 <= scratch <= 2.2 * 256 ** 2 * 49 * 4
     estimate = plan.estimated_peak_bytes
-    print("\nestimated %.1f MiB (scratch %.1f), measured %.1f"
-          % (estimate / 2**20, scratch / 2**20, measured / 2**20))
-    assert estimate - scratch < 0.2 * measured   # what the estimate was without it
-    assert 0.7 * measured <= estimate <= 1.25 * measured   # BFC's slack: 24.5 MiB -> 32
+    print("\nestimated %.1f MiB (scratch %.1f), measured %.1f (asked %.1f)"
+          % (estimate / 2**20, scratch / 2**20, breakdown.peak / 2**20, asked / 2**20))
+    assert estimate - scratch < 0.2 * asked   # what the estimate was without it
+    assert 0.8 * asked <= estimate <= 1.25 * asked
 
 
 @pytest.mark.skipif(not tf.test.is_built_with_xla(), reason="needs XLA")
