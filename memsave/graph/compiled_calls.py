@@ -63,18 +63,22 @@ def gradient_scratch(op, shape_of=None):
         logger.debug("memsave: %s: its XLA-compiled gradient's scratch is not modelled: %s",
                      op.name, why)
         return 0
+    except Exception as e:  # pylint: disable=broad-except
+        # A probe must never fail the user's step: its scratch stays unknown.
+        logger.debug("memsave: %s: no probe of its XLA-compiled gradient (%s: %s); its "
+                     "scratch is not modelled", op.name, type(e).__name__, e)
+        return 0
     found = _KNOWN.get(probe.key)
     if found is None:
         try:
             found = probe.temp_bytes()
         except Exception as e:  # pylint: disable=broad-except
-            # A probe must never fail the user's step: its scratch stays unknown.
             logger.debug("memsave: %s: compiling its gradient for its scratch failed (%s: %s); "
                          "not modelled", op.name, type(e).__name__, e)
-            found = 0
-        if len(_KNOWN) >= _KNOWN_MOST:
-            _KNOWN.pop(next(iter(_KNOWN)))
+            found = 0   # kept too: identical calls would fail alike
         _KNOWN[probe.key] = found
+        while len(_KNOWN) > _KNOWN_MOST:
+            _KNOWN.pop(next(iter(_KNOWN)))
     if found:
         logger.debug("memsave: %s: its XLA-compiled gradient allocates %d bytes of scratch",
                      op.name, found)
