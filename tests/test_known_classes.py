@@ -84,6 +84,16 @@ offloading, against plain ``tf.gradients`` on the same graph:
   ``tf.custom_gradient`` that clips its output gradient is not linear in
   it: the gradients were up to 0.88 of the largest entry off plain's, with
   no error.
+- *probes that build TensorFlow's caches* (found by a helper trying to
+  break memsave): the estimate compiles an XLA-compiled call with its
+  gradient ahead (``memsave.graph.compiled_calls``). TensorFlow caches a
+  function's forward and backward functions the first time they are built,
+  and the probe built them under ``tf.init_scope``, where tapes are paused:
+  a ``tf.recompute_grad`` in the function, whose gradient runs a tape, got
+  a backward of zeros, and the user's step and every later tape used it
+  (all zeros, with no error). In a Session's graph the probe made its
+  inputs in the user's graph (a random op: later draws changed). The probe
+  now runs in a thread of its own.
 
 Values are compared relative to the largest entry of all gradients:
 float64 to 1e-9; the float32 hand-off cases (oneDNN fuses float32 only)
@@ -1188,3 +1198,56 @@ def test_an_x_made_by_a_call_and_read_in_place_gets_its_gradient(consumer, strat
                                   min_checkpoint_size=1)
     assert all(g is not None for g in grads)
     assert_same_as_plain(graph, loss, xs, grads)
+
+
+def test_a_probe_of_a_compiled_call_leaves_tensorflows_caches_as_the_step_builds_them():
+    """A jit-compiled function around a ``tf.recompute_grad`` block (its
+    gradient runs a tape): memsave's gradients, and a plain tape's on the
+    same function afterwards, are plain's (they were all zeros)."""
+    from memsave.graph import compiled_calls   # pylint: disable=import-outside-toplevel
+    rng = np.random.RandomState(0)
+    w = tf.Variable(rng.randn(8, 8) * 0.3)
+    x = tf.constant(rng.randn(6, 8))
+
+    def function():
+        block = tf.recompute_grad(lambda a: tf.tanh(tf.tanh(a @ w) @ w))
+
+        @tf.function(jit_compile=True)
+        def f(a):
+            return block(tf.sin(a)) * 2.0
+        return f
+
+    def gradient(tape_class, f):
+        @tf.function
+        def step():
+            with tape_class() as tape:
+                loss = tf.reduce_sum(f(x @ w) ** 2)
+            return tape.gradient(loss, w)
+        return step().numpy()
+
+    plain = gradient(tf.GradientTape, function())
+    f = function()
+    compiled_calls._KNOWN.clear()   # the probe runs, as for a function first met
+    ours = gradient(memsave.GradientTape, f)
+    after = gradient(tf.GradientTape, f)
+    scale = np.abs(plain).max()
+    assert scale > 1
+    assert np.abs(ours - plain).max() <= 1e-9 * scale
+    assert np.abs(after - plain).max() <= 1e-9 * scale
+
+
+def test_a_probe_of_a_compiled_call_adds_nothing_to_a_sessions_graph():
+    """In a Session's graph the probe compiles eagerly, in its own thread: the
+    user's graph gets no op from it (it got a random op, which moved later
+    draws under a graph seed)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.ones((4, 8))
+
+        @tf.function(jit_compile=True)
+        def f(a):
+            return tf.tanh(a * 2.0)
+        loss = tf.reduce_sum(f(x) * x)
+        before = len(graph.get_operations())
+        memsave.plan(loss, [x])
+        assert len(graph.get_operations()) == before

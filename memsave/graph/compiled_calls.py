@@ -19,12 +19,17 @@ the figure is what the two need together, an upper bound on the gradient's
 own. Results are kept per function body and shapes: a model's identical
 layers compile once per process.
 
-Where the probe cannot be built (an unknown shape, a variable that is no
-eager capture, as in a ``tf.compat.v1`` Session's graph, or XLA refusing the
-function), the scratch stays unknown (0), as before, and a DEBUG log says so.
+The probe runs in a thread of its own, eagerly, so that nothing of the
+caller's (its gradient tapes, graph, scopes) reaches it: TensorFlow caches
+a call's forward and backward functions the first time they are built, and
+they must be built as the step itself would build them. Where the probe
+cannot be built (an unknown shape, a variable that is no eager capture, as
+in a ``tf.compat.v1`` Session's graph, eager execution off, or XLA refusing
+the function), the scratch stays unknown (0) and a DEBUG log says so.
 """
 
 import logging
+import threading
 
 import tensorflow as tf
 
@@ -34,7 +39,7 @@ from memsave.graph.edit import copy_op
 logger = logging.getLogger("memsave")
 
 _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
-# Temp bytes per (function body, input specs, differentiated outputs); bounded.
+# Temp bytes per (function body, input shapes, differentiated outputs); bounded.
 _KNOWN = {}
 _KNOWN_MOST = 256
 
@@ -49,25 +54,56 @@ def is_compiled_call(op):
         return False
 
 
-def gradient_scratch(op, shape_of=None):
+def gradient_scratch(op, shape_of=None, differentiated=None):
     """Bytes XLA's buffer assignment gives the temporaries of ``op``'s forward
     and gradient compiled together; 0 where ``op`` is no compiled call or the
     figure cannot be had. ``shape_of(tensor)`` gives a tensor's shape (the
-    planning graph's, where shape inference filled in unknown ones)."""
+    planning graph's, where shape inference filled in unknown ones);
+    ``differentiated(tensor)`` says which outputs a gradient reaches
+    (default: those some op reads; a y is read by none).
+
+    In its own thread (see the module's docstring): under ``tf.init_scope``
+    tapes are paused, and a ``tf.recompute_grad`` inside the function, whose
+    gradient runs a tape, had its cached backward built with zeros, which
+    the user's step then used; in a Session's graph, the probe's inputs were
+    made in the user's graph.
+    """
     if not is_compiled_call(op):
         return 0
-    shape_of = shape_of or (lambda t: t.shape)
-    try:
-        probe = _Probe(op, shape_of)
-    except _Unknown as why:
+    box = {}
+
+    def run():
+        try:
+            box["found"] = _scratch(op, shape_of or (lambda t: t.shape),
+                                    differentiated or (lambda t: bool(t.consumers())))
+        except Exception as e:  # pylint: disable=broad-except
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="memsave-xla-probe")
+    worker.start()
+    worker.join()
+    error = box.get("error")
+    if isinstance(error, _Unknown):
         logger.debug("memsave: %s: its XLA-compiled gradient's scratch is not modelled: %s",
-                     op.name, why)
+                     op.name, error)
         return 0
-    except Exception as e:  # pylint: disable=broad-except
+    if error is not None:
         # A probe must never fail the user's step: its scratch stays unknown.
         logger.debug("memsave: %s: no probe of its XLA-compiled gradient (%s: %s); its "
-                     "scratch is not modelled", op.name, type(e).__name__, e)
+                     "scratch is not modelled", op.name, type(error).__name__, error)
         return 0
+    found = box["found"]
+    if found:
+        logger.debug("memsave: %s: its XLA-compiled gradient allocates %d bytes of scratch",
+                     op.name, found)
+    return found
+
+
+def _scratch(op, shape_of, differentiated):
+    """:func:`gradient_scratch`'s figure, in the probe's thread."""
+    if not tf.executing_eagerly():
+        raise _Unknown("eager execution is off, and XLA compiles ahead only eagerly")
+    probe = _Probe(op, shape_of, differentiated)
     found = _KNOWN.get(probe.key)
     if found is None:
         try:
@@ -79,9 +115,6 @@ def gradient_scratch(op, shape_of=None):
         _KNOWN[probe.key] = found
         while len(_KNOWN) > _KNOWN_MOST:
             _KNOWN.pop(next(iter(_KNOWN)))
-    if found:
-        logger.debug("memsave: %s: its XLA-compiled gradient allocates %d bytes of scratch",
-                     op.name, found)
     return found
 
 
@@ -93,7 +126,7 @@ class _Probe:
     """What compiling ``op`` and its gradient ahead needs: input specs (or the
     eager variable handles it captured), the differentiated outputs, a key."""
 
-    def __init__(self, op, shape_of):
+    def __init__(self, op, shape_of, differentiated):
         self.op = op
         function = tf_internal.graph_function(op.graph, op.get_attr("f").name)
         if function is None:
@@ -109,15 +142,18 @@ class _Probe:
                 self.handles[i] = outer
             else:
                 self.specs.append(self._spec(t, shape_of))
-        self.outputs = [t for t in op.outputs if t.consumers() and t.dtype.is_floating]
+        self.outputs = [t for t in op.outputs if t.dtype.is_floating and differentiated(t)]
         if not self.outputs:
             raise _Unknown("no output is differentiated")
         self.grad_specs = [self._spec(t, shape_of) for t in self.outputs]
         # Keras captures a layer's input and kernel in either order: the
-        # inputs are keyed as a multiset.
+        # inputs are keyed as a multiset. A variable's shape is its value's
+        # (its static shape may leave an axis unknown).
+        variables = sorted(tuple(tf.raw_ops.VariableShape(input=h, out_type=tf.int64).numpy())
+                           for h in self.handles.values())
         self.key = (_body_key(op, function),
                     tuple(sorted((s.dtype.name, tuple(s.shape.as_list())) for s in self.specs)),
-                    len(self.handles), tuple(t.value_index for t in self.outputs),
+                    tuple(variables), tuple(t.value_index for t in self.outputs),
                     tuple(self.grad_specs), op.device)
 
     @staticmethod
@@ -144,19 +180,19 @@ class _Probe:
                     [copy.outputs[t.value_index] for t in outputs], inputs, grad_ys)
             return [g for g in grads if g is not None]
 
-        with tf.init_scope():
-            compiled = tf.function(differentiated, jit_compile=True, autograph=False)
-            ir = compiled.experimental_get_compiler_ir(*(self.specs + self.grad_specs))
-            return tf_internal.xla_temp_bytes(ir(stage="optimized_hlo_proto_serialized"))
+        compiled = tf.function(differentiated, jit_compile=True, autograph=False)
+        ir = compiled.experimental_get_compiler_ir(*(self.specs + self.grad_specs))
+        return tf_internal.xla_temp_bytes(ir(stage="optimized_hlo_proto_serialized"))
 
 
 def _body_key(op, function):
     """What the compiled function computes, up to names: its ops in order, each
     with its attributes (less TensorFlow's own, named with a leading '_'),
-    its inputs as (position among the ops, output index) and its output
-    shapes; the arguments are told apart by dtype and shape only, since
-    Keras captures a layer's input and kernel in either order. Identical
-    layers' calls get one key."""
+    its inputs as (position among the ops, output index), its control inputs
+    as a set (automatic control dependencies list them in no fixed order) and
+    its output shapes; the arguments are told apart by dtype and shape only,
+    since Keras captures a layer's input and kernel in either order.
+    Identical layers' calls get one key."""
     body = tf_internal.called_graph(op)
     if body is None:   # no graph (a loaded function): its definition, names and all
         return function.definition.SerializeToString(deterministic=True)
@@ -171,6 +207,6 @@ def _body_key(op, function):
                              for k, v in inner.node_def.attr.items() if not k.startswith("_")))
         parts.append((inner.type, attrs, tuple((position.get(t.op), t.value_index)
                                                for t in inner.inputs),
-                      tuple(position.get(c) for c in inner.control_inputs),
+                      tuple(sorted((str(position.get(c)) for c in inner.control_inputs))),
                       tuple(str(t.shape) for t in inner.outputs)))
     return tuple(parts)

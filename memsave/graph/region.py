@@ -548,7 +548,8 @@ def _add_region_tensors(g, region, reads, marks, shape_of, batch_size, compiled)
         if functions.is_loop(op):
             scratch = loop_accumulators(op, batch_size)
         else:
-            scratch = 0 if compiled else compiled_calls.gradient_scratch(op, shape_of)
+            scratch = 0 if compiled else compiled_calls.gradient_scratch(
+                op, shape_of, lambda t: bool(t.consumers()) or t.name in marks.ys)
         for k, t in enumerate(op.outputs):
             shape = shape_of(t)
             forwarded = optable.forwarded_input(op, k)
