@@ -148,9 +148,11 @@ MOST_TRUSTED = 1.15
 UPWARD_SLOPE = 1.25
 
 # Scratch at the first plan's measured peak (an op's temporaries, the
-# buffers of an XLA-compiled call) is modelled in the replan from this
-# fraction of the budget up (ConvNeXtTiny on CPU: a 256 MiB buffer of XLA's
-# depthwise-convolution gradient under budgets of 360-500 MiB).
+# buffers of an XLA-compiled call that could not be compiled ahead, see
+# memsave.graph.compiled_calls) is modelled in the replan from this fraction
+# of the budget up (ConvNeXtTiny on CPU, before those buffers were counted
+# ahead: a 256 MiB buffer of XLA's depthwise-convolution gradient under
+# budgets of 360-500 MiB).
 SCRATCH_MIN = 0.02
 
 # The calls of one plan that updates its variables measure differently
