@@ -60,13 +60,8 @@ def gradient_scratch(op, shape_of=None, differentiated=None):
     figure cannot be had. ``shape_of(tensor)`` gives a tensor's shape (the
     planning graph's, where shape inference filled in unknown ones);
     ``differentiated(tensor)`` says which outputs a gradient reaches
-    (default: those some op reads; a y is read by none).
-
-    In its own thread (see the module's docstring): under ``tf.init_scope``
-    tapes are paused, and a ``tf.recompute_grad`` inside the function, whose
-    gradient runs a tape, had its cached backward built with zeros, which
-    the user's step then used; in a Session's graph, the probe's inputs were
-    made in the user's graph.
+    (default: those some op reads; a y is read by none). The probe runs in a
+    thread of its own (see the module's docstring).
     """
     if not is_compiled_call(op):
         return 0
