@@ -232,6 +232,7 @@ class Loop:
         self.trace = _Trace()
         self.first = None          # (estimate, measured) of the first plan
         self.first_fits = None     # the most the first plan's calls may measure (see fits)
+        self.first_let_go = False  # the first plan's function is gone (a drift replan's)
         self.correction = None     # budget -> target, after the first measurement
         self.replanned = False
         # The replan measured over too: planned once more, on both plans' errors
@@ -331,7 +332,7 @@ class Loop:
                           "it was replanned %d times so already" % self.drift_replans))
             return False
         self.drift_replans += 1
-        self._take_as_first(trace, measured, False, 0)
+        self._take_as_first(trace, measured, False, 0, let_go=True)
         self.replanned_again, self.between, self.last_resort = False, False, False
         self.confirming, self.done = None, False
         self._replan_on_first()
@@ -391,7 +392,7 @@ class Loop:
         """Whether the first plan measured within its margin and is still there
         to go back to: the lowest plan is built once the plans it replaces are
         let go."""
-        return (self.first is not None and not self.last_resort
+        return (self.first is not None and not self.last_resort and not self.first_let_go
                 and (self.between or not self.replanned_again)
                 and self.first[1] <= self.first_fits)
 
@@ -533,11 +534,13 @@ class Loop:
                     _measured_as(refused), measured / mib, estimate / mib, calls)
         return REPLAN
 
-    def _take_as_first(self, trace, measured, refused, spread):
+    def _take_as_first(self, trace, measured, refused, spread, let_go=False):
         """Read the plan ``trace`` planned as the first plan, measured at
         ``measured`` (``refused``: a refused call's bound) over calls spread
-        over ``spread``."""
+        over ``spread`` (``let_go``: its function is let go before the replan,
+        so the loop cannot go back to it)."""
         self.first, self.first_refused = (trace.estimate, measured), refused
+        self.first_let_go = let_go
         self.first_trace, self.first_fits = trace, self.fits(spread)
 
     def _replan_on_first(self):
@@ -1034,9 +1037,12 @@ class MeasuredStep:
             self._calls = 0
         elif action == FIRST:
             self._step = self._first
-        if (self.loop.done or self.loop.confirming is not None) and self._first is not None:
+        if self.loop.done or (self.loop.confirming is not None and self._first is not None):
             # The other plan's function is let go now, not at a later garbage
-            # collection, so the calls confirmed are like those that follow.
+            # collection, so the calls confirmed are like those that follow;
+            # so are the batches the measured calls were given again (a
+            # dataset is a reference cycle: each held its batch until Python's
+            # collector ran, a 4 MiB batch into training once settled).
             self._first = None
             gc.collect()
 
