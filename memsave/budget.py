@@ -573,6 +573,17 @@ class Loop:
         first = self.first[1]
         back = self.first_to_go_back_to and (measured > fits or measured < first)
         over = not back and measured > fits
+        if over and self.trace.lowest and self.first_let_go and not refused \
+                and measured <= promise:
+            # A drift replan (training under way) that found no plan below
+            # the lowest, whose calls ran within the budget but closer to it
+            # than their spread: kept, as a settled lowest plan that drifts
+            # is (see drifted), not stopped with a BudgetError.
+            self.settle(self.trace, promise)
+            logger.warning("%s; no plan is lower: kept, over the %.0f%% a plan is kept within "
+                           "for its calls' variation; a later call may need more",
+                           self._said_after_replan(measured, refused), 100 * fits / promise)
+            return None
         if over and (self.trace.lowest or self.last_resort):
             raise BudgetError(
                 "no plan fits a budget of %.1f MiB on the allocator: the %s plan "
