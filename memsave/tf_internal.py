@@ -391,10 +391,10 @@ def is_function_call(op):
             or op.graph._is_function(op.type))  # pylint: disable=protected-access
 
 
-def called_graph(op):
-    """The FuncGraph a function call ``op`` runs, looked up in its graph and
-    the graphs around it; None if not a call or not found (a function
-    loaded from a SavedModel has no graph)."""
+def called_function(op):
+    """The function a function call ``op`` runs (it has ``.graph`` and
+    ``.name``), looked up in its graph and the graphs around it; None if not
+    a call or not found."""
     if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
         name = op.get_attr("f").name
     elif op.graph._is_function(op.type):  # pylint: disable=protected-access
@@ -405,9 +405,16 @@ def called_graph(op):
     while graph is not None:
         function = graph._get_function(name)  # pylint: disable=protected-access
         if function is not None:
-            return getattr(function, "graph", None)
+            return function
         graph = getattr(graph, "outer_graph", None)
     return None
+
+
+def called_graph(op):
+    """The FuncGraph a function call ``op`` runs (see :func:`called_function`);
+    None if not a call or not found (a function loaded from a SavedModel has
+    no graph)."""
+    return getattr(called_function(op), "graph", None)
 
 
 def graph_functions(graph):

@@ -123,9 +123,9 @@ class _Probe:
 
     def __init__(self, op, shape_of, differentiated):
         self.op = op
-        function = tf_internal.graph_function(op.graph, op.get_attr("f").name)
+        function = tf_internal.called_function(op)
         if function is None:
-            raise _Unknown("its function is not in its graph's library")
+            raise _Unknown("its function is not in its graph's library or its outer graphs'")
         self.function = function
         captured = {inner.ref(): outer for outer, inner in getattr(op.graph, "captures", ())}
         self.specs, self.handles = [], {}
