@@ -980,8 +980,10 @@ class MeasuredStep:
         and every variable the traced step captures (a GAN's second optimizer,
         a ``tf.random.Generator``), copied after the trace, which makes some
         too (Keras' compiled metrics), at their initial values."""
-        state = self._state() if self._state is not None else None
+        # The trace first: it makes the variables of a model built on its
+        # first call, which state() then finds.
         captured = self._captured(args, kwargs)
+        state = self._state() if self._state is not None else None
         if captured is None and state is None:
             return None
         return _HostCopies(list(captured or ()) + list(state or ()))

@@ -89,15 +89,11 @@ def data_batch_size(x, batch_size=None):
 
 
 def _first_batch_size(data):
-    """The leading size of a ``tf.data.Dataset``'s first element, or None:
-    only for dense elements whose one unknown dimension is the batch's (a
-    sparse or ragged batch's other sizes stay nominal, and a plan for the
-    real batch with them is no better than the nominal one)."""
-    if not isinstance(data, tf.data.Dataset):
-        return None
-    specs = tf.nest.flatten(data.element_spec)
-    if not specs or not all(isinstance(s, tf.TensorSpec) and s.shape.rank
-                            and s.shape[1:].is_fully_defined() for s in specs):
+    """The leading size of a ``tf.data.Dataset``'s first element, or None
+    (see :func:`_readable_batch`). Reading it takes an iteration of the
+    dataset: a shuffle that reshuffles each iteration then gives ``fit``
+    another order, and a one-shot generator loses its first batch."""
+    if not _readable_batch(data):
         return None
     try:
         first = next(iter(data.take(1)))
@@ -106,20 +102,64 @@ def _first_batch_size(data):
     return _leading_size(first)
 
 
-def _batch_for(settings, batch_of, args, kwargs):
-    """The batch size the data gives (``batch_of``). Under a byte budget a
-    dataset whose batch dimension is unknown (``batch()`` without
-    ``drop_remainder``) is read for its first element: the loop keeps bytes,
-    and a plan for a guessed batch (32 where 600 came) is dominated by the
-    weights' gradients, recomputes little and misleads the loop (a helper
-    saw BudgetError where plans at 9 MiB fit a 15 MiB budget)."""
+def _readable_batch(data):
+    """Whether ``data`` is a ``tf.data.Dataset`` whose batch size its first
+    element says (see :func:`_batch_alone_unknown`)."""
+    return isinstance(data, tf.data.Dataset) and _batch_alone_unknown(data.element_spec)
+
+
+def _batch_alone_unknown(spec):
+    """Whether elements of ``spec`` are dense tensors whose one unknown
+    dimension is the batch's (a sparse or ragged batch's other sizes stay
+    nominal, and a plan for the real batch with them is no better than the
+    nominal one)."""
+    specs = tf.nest.flatten(spec)
+    return bool(specs) and all(isinstance(s, tf.TensorSpec) and s.shape.rank
+                               and s.shape[1:].is_fully_defined() for s in specs)
+
+
+_UNREAD = "_memsave_unread_batch"   # the dataset whose first batch sizes the plan
+
+
+def _batch_for(model, settings, batch_of, args, kwargs):
+    """The batch size the data gives (``batch_of``). Under a byte budget
+    data whose batch size is unknown (a dataset batched without
+    ``drop_remainder``, a generator, a ``PyDataset``) is sized by its first
+    batch: the loop keeps bytes, and a plan for a guessed batch (32 where
+    600 came) is dominated by the weights' gradients, recomputes little and
+    misleads the loop (a helper saw BudgetError where plans at 9 MiB fit a
+    15 MiB budget). The budget loop reads each batch it measures before the
+    call (see :func:`_replayed_batch`), so the first is sized there, as
+    ``fit`` reads it; a settled loop's step is not traced again for it (its
+    batch dimension is unknown)."""
+    model.__dict__.pop(_UNREAD, None)
     found = batch_of(*args, **kwargs)
     if found is None and budget.is_bytes(settings.budget):
-        found = _first_batch_size(args[0] if args else kwargs.get("x"))
-        if found is not None:
-            logger.info("memsave.keras: the dataset's batch dimension is unknown; its first "
-                        "batch has %d, planned for", found)
+        model.__dict__[_UNREAD] = args[0] if args else kwargs.get("x")
     return found
+
+
+def _size_unread_batch(model, data=None, spec=None):
+    """Where :func:`_batch_for` left the batch size to the loop's first read:
+    set it from ``data`` (the batch the loop read ahead, whose element spec
+    is ``spec``, where known), or, where the loop cannot read ahead (several
+    steps per call, a distributed iterator), by reading a dataset's first
+    element once more (see :func:`_first_batch_size`)."""
+    if _UNREAD not in model.__dict__:
+        return
+    unread = model.__dict__.pop(_UNREAD)
+    if data is not None and (spec is None or _batch_alone_unknown(spec)):
+        found = _leading_size(data)
+    else:
+        found = _first_batch_size(unread)
+    if found is not None:
+        logger.info("memsave.keras: the data's batch dimension is unknown; its first "
+                    "batch has %d, planned for", found)
+    state = model.__dict__.get(_ATTR)
+    if state is not None:
+        state["data_batch"] = found
+    else:
+        model.__dict__["_memsave_data_batch"] = found
 
 
 def _remembering_batch(model, method, batch_of):
@@ -128,11 +168,36 @@ def _remembering_batch(model, method, batch_of):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         state = model.__dict__.get(_ATTR)
-        if state is not None:
-            state["data_batch"] = _batch_for(state["settings"], batch_of, args, kwargs)
+        if state is None:
+            with verify.mismatch_raised():
+                return method(*args, **kwargs)
+        return _trained_on_batch(model, state["settings"], batch_of, state.get("data_batch"),
+                                 lambda found: state.__setitem__("data_batch", found),
+                                 method, args, kwargs)
+    return wrapper
+
+
+def _trained_on_batch(model, settings, batch_of, previous, store, method, args, kwargs):
+    """``method(*args, **kwargs)`` (``fit`` or ``train_on_batch``) with the
+    batch size its data gives stored (``store``; see :func:`_batch_for`).
+    Under a byte budget a ``fit`` whose batch size is not the ``previous``
+    one's starts a budget loop of its own: a step Keras does not trace
+    again (an unknown batch dimension) ran the plan for the old batch, and
+    the loop, measuring the new one against that plan's estimate, read a
+    factor of five as its error and raised BudgetError where plans fit (a
+    helper: ``fit`` at 256, then at 1024)."""
+    found = _batch_for(model, settings, batch_of, args, kwargs)
+    if (batch_of is _fit_batch and budget.is_bytes(settings.budget)
+            and None not in (previous, found) and found != previous):
+        logger.info("memsave.keras: %s: the batch size is %d, the budget loop's %d; its step "
+                    "is traced and measured again", model.name, found, previous)
+        _reset_train_function(model)
+    store(found)
+    try:
         with verify.mismatch_raised():
             return method(*args, **kwargs)
-    return wrapper
+    finally:
+        model.__dict__.pop(_UNREAD, None)   # the data is not held past the call
 
 
 def _fit_batch(x=None, y=None, batch_size=None, *args, **kwargs):
@@ -199,7 +264,9 @@ def _training_state(model):
     The optimizer is built first, as ``fit`` would in the first step: slots made
     inside a refused call would keep its update."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not optimizer.built:
+    if optimizer is not None and not optimizer.built and model.trainable_variables:
+        # (A model whose layers make their variables on its first call has
+        # none yet: its optimizer is built by the step, as plain fit's.)
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)
     return (list(model.variables) + list(getattr(optimizer, "variables", None) or [])
@@ -217,6 +284,7 @@ def _replayed_batch(model, args, kwargs):
     several batches (``steps_per_execution``) or a distributed iterator.
     """
     if kwargs or len(args) != 1 or getattr(model, "steps_per_execution", 1) != 1:
+        _size_unread_batch(model)
         return None
     batches = args[0]
     if isinstance(batches, tf.data.Iterator):
@@ -224,6 +292,7 @@ def _replayed_batch(model, args, kwargs):
         if not value.has_value():
             return lambda: (args, kwargs)   # the end of the data: Keras stops on its own
         data = value.get_value()
+        _size_unread_batch(model, data, batches.element_spec)
         dataset = _dataset_of(data, batches.element_spec)   # iterated again by each run
 
         def replay():
@@ -238,7 +307,9 @@ def _replayed_batch(model, args, kwargs):
         data = next(batches, _END)
         if data is _END:
             return lambda: (args, kwargs)
+        _size_unread_batch(model, data)
         return lambda: ((iter([data]),), {})
+    _size_unread_batch(model)
     return None
 
 
@@ -356,15 +427,16 @@ class MemorySavingModel:
     memsave_options = {}   # further memsave.gradients options, e.g. {"budget": 0.3}
 
     def fit(self, *args, **kwargs):
-        self._memsave_data_batch = _batch_for(self._memsave_settings(), _fit_batch, args, kwargs)
-        with verify.mismatch_raised():
-            return super().fit(*args, **kwargs)
+        return self._memsave_trained(_fit_batch, super().fit, args, kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        self._memsave_data_batch = _batch_for(self._memsave_settings(), _train_on_batch_batch,
-                                              args, kwargs)
-        with verify.mismatch_raised():
-            return super().train_on_batch(*args, **kwargs)
+        return self._memsave_trained(_train_on_batch_batch, super().train_on_batch, args, kwargs)
+
+    def _memsave_trained(self, batch_of, method, args, kwargs):
+        return _trained_on_batch(
+            self, self._memsave_settings(), batch_of, self.__dict__.get("_memsave_data_batch"),
+            lambda found: self.__dict__.__setitem__("_memsave_data_batch", found),
+            method, args, kwargs)
 
     def _memsave_settings(self):
         checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
