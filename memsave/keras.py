@@ -118,7 +118,7 @@ def _batch_alone_unknown(spec):
                                and s.shape[1:].is_fully_defined() for s in specs)
 
 
-_UNREAD = "_memsave_unread_batch"   # the dataset whose first batch sizes the plan
+_UNREAD = "_memsave_unread_batch"   # the data whose first batch is to size the plan
 
 
 def _batch_for(model, settings, batch_of, args, kwargs):
