@@ -573,16 +573,7 @@ class Loop:
         first = self.first[1]
         back = self.first_to_go_back_to and (measured > fits or measured < first)
         over = not back and measured > fits
-        if over and self.trace.lowest and self.first_let_go and not refused \
-                and measured <= promise:
-            # A drift replan (training under way) that found no plan below
-            # the lowest, whose calls ran within the budget but closer to it
-            # than their spread: kept, as a settled lowest plan that drifts
-            # is (see drifted), not stopped with a BudgetError.
-            self.settle(self.trace, promise)
-            logger.warning("%s; no plan is lower: kept, over the %.0f%% a plan is kept within "
-                           "for its calls' variation; a later call may need more",
-                           self._said_after_replan(measured, refused), 100 * fits / promise)
+        if over and self._kept_after_drift(measured, refused, fits):
             return None
         if over and (self.trace.lowest or self.last_resort):
             raise BudgetError(
@@ -623,6 +614,22 @@ class Loop:
         self.confirming = (("first", self.first_was_lowest, first) if back else
                            (_plan_on_trial(self), self.trace.lowest, measured))
         return FIRST if back else None
+
+    def _kept_after_drift(self, measured, refused, fits):
+        """Whether a drift replan (training under way) that came to the lowest
+        plan, its calls within the budget but past the margin ``fits`` for
+        their spread, is kept (settled, with a WARNING), as a settled lowest
+        plan that drifts is (see :meth:`drifted`), not stopped with a
+        BudgetError."""
+        promise = self.trace.promise
+        if not (self.trace.lowest and self.first_let_go and not refused
+                and measured <= promise):
+            return False
+        self.settle(self.trace, promise)
+        logger.warning("%s; no plan is lower: kept, over the %.0f%% a plan is kept within "
+                       "for its calls' variation; a later call may need more",
+                       self._said_after_replan(measured, refused), 100 * fits / promise)
+        return True
 
     def _said_after_replan(self, measured, refused):
         """The log line of a measured replan: both plans' estimates and figures."""
