@@ -232,7 +232,6 @@ class Loop:
         self.trace = _Trace()
         self.first = None          # (estimate, measured) of the first plan
         self.first_fits = None     # the most the first plan's calls may measure (see fits)
-        self.first_let_go = False  # the first plan's function is gone (a drift replan's)
         self.correction = None     # budget -> target, after the first measurement
         self.replanned = False
         # The replan measured over too: planned once more, on both plans' errors
@@ -332,7 +331,7 @@ class Loop:
                           "it was replanned %d times so already" % self.drift_replans))
             return False
         self.drift_replans += 1
-        self._take_as_first(trace, measured, False, 0, let_go=True)
+        self._take_as_first(trace, measured, False, 0)
         self.replanned_again, self.between, self.last_resort = False, False, False
         self.confirming, self.done = None, False
         self._replan_on_first()
@@ -392,7 +391,8 @@ class Loop:
         """Whether the first plan measured within its margin and is still there
         to go back to: the lowest plan is built once the plans it replaces are
         let go."""
-        return (self.first is not None and not self.last_resort and not self.first_let_go
+        # After a drift replan the first plan is the drifted one, let go.
+        return (self.first is not None and not self.last_resort and not self.drift_replans
                 and (self.between or not self.replanned_again)
                 and self.first[1] <= self.first_fits)
 
@@ -534,13 +534,11 @@ class Loop:
                     _measured_as(refused), measured / mib, estimate / mib, calls)
         return REPLAN
 
-    def _take_as_first(self, trace, measured, refused, spread, let_go=False):
+    def _take_as_first(self, trace, measured, refused, spread):
         """Read the plan ``trace`` planned as the first plan, measured at
         ``measured`` (``refused``: a refused call's bound) over calls spread
-        over ``spread`` (``let_go``: its function is let go before the replan,
-        so the loop cannot go back to it)."""
+        over ``spread``."""
         self.first, self.first_refused = (trace.estimate, measured), refused
-        self.first_let_go = let_go
         self.first_trace, self.first_fits = trace, self.fits(spread)
 
     def _replan_on_first(self):
@@ -622,7 +620,7 @@ class Loop:
         plan that drifts is (see :meth:`drifted`), not stopped with a
         BudgetError."""
         promise = self.trace.promise
-        if not (self.trace.lowest and self.first_let_go and not refused
+        if not (self.trace.lowest and self.drift_replans and not refused
                 and measured <= promise):
             return False
         self.settle(self.trace, promise)
