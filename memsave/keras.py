@@ -148,10 +148,10 @@ def _size_unread_batch(model, data=None, spec=None):
     if _UNREAD not in model.__dict__:
         return
     unread = model.__dict__.pop(_UNREAD)
-    if data is not None and (spec is None or _batch_alone_unknown(spec)):
-        found = _leading_size(data)
-    else:
+    if data is None:
         found = _first_batch_size(unread)
+    else:
+        found = _leading_size(data) if spec is None or _batch_alone_unknown(spec) else None
     if found is not None:
         logger.info("memsave.keras: the data's batch dimension is unknown; its first "
                     "batch has %d, planned for", found)
