@@ -146,7 +146,7 @@ class _Probe:
         # (its static shape may leave an axis unknown).
         variables = sorted(tuple(tf.raw_ops.VariableShape(input=h, out_type=tf.int64).numpy())
                            for h in self.handles.values())
-        self.key = (_body_key(op, function),
+        self.key = (_body_key(function),
                     tuple(sorted((s.dtype.name, tuple(s.shape.as_list())) for s in self.specs)),
                     tuple(variables), tuple(t.value_index for t in self.outputs),
                     tuple(self.grad_specs), op.device)
@@ -180,7 +180,7 @@ class _Probe:
         return tf_internal.xla_temp_bytes(ir(stage="optimized_hlo_proto_serialized"))
 
 
-def _body_key(op, function):
+def _body_key(function):
     """What the compiled function computes, up to names: its ops in order, each
     with its attributes (less TensorFlow's own, named with a leading '_'),
     its inputs as (position among the ops, output index), its control inputs
@@ -188,7 +188,7 @@ def _body_key(op, function):
     its output shapes; the arguments are told apart by dtype and shape only,
     since Keras captures a layer's input and kernel in either order.
     Identical layers' calls get one key."""
-    body = tf_internal.called_graph(op)
+    body = getattr(function, "graph", None)
     if body is None:   # no graph (a loaded function): its definition, names and all
         return function.definition.SerializeToString(deterministic=True)
     position, parts = {}, []
