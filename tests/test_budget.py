@@ -616,9 +616,12 @@ def test_budgeted_refuses_what_is_not_a_step():
         memsave.budgeted("step")
 
 
-def _dense_model(optimizer="sgd"):
+def _dense_model(optimizer="sgd", built=True):
+    """Twelve Dense(64, tanh) layers; ``built=False``: without an Input, its
+    variables made by its first call."""
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,))] + [
+    inputs = [keras.Input((64,))] if built else []
+    model = keras.Sequential(inputs + [
         keras.layers.Dense(64, activation="tanh") for _ in range(12)] + [keras.layers.Dense(4)])
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), jit_compile=False)
@@ -891,25 +894,15 @@ def test_keras_starts_a_budget_loop_for_a_fit_at_another_batch_size():
     _assert_trained_alike(model, plain)
 
 
-def _built_on_first_call():
-    """``_dense_model`` without an Input: its variables are made by its first call."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.layers.Dense(64, activation="tanh") for _ in range(12)]
-                             + [keras.layers.Dense(4)])
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True), jit_compile=False)
-    return model
-
-
 def test_keras_keeps_a_byte_budget_for_a_model_built_on_its_first_call(monkeypatch):
     # The budget loop built the optimizer, to copy its slots before a call,
     # from the model's variables before there were any: Keras' optimizer
     # then refused the step's ("Unknown variable", found by a helper). The
     # first call, refused, is undone and trained on again.
-    plain = _built_on_first_call()
+    plain = _dense_model("adam", built=False)
     _fit(plain, batch_size=256)
     calls = _refuse_the_first_call(monkeypatch)
-    model = memsave.keras.enable(_built_on_first_call(), budget="3MiB")
+    model = memsave.keras.enable(_dense_model("adam", built=False), budget="3MiB")
     _fit(model, batch_size=256)
     assert len(calls) == 1 and model.train_function.loop.refusals == 1
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 64
