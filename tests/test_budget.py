@@ -628,22 +628,30 @@ def _dense_model(optimizer="sgd", built=True):
     return model
 
 
-def _fit(model, batch_size=1024):
+def _fit(model, batch_size=1024, epochs=16):
     """The last loss of fitting ``model``: at batch 1024, a call per epoch, as many
     as a budget loop settling through the lowest plan takes (a first plan's
     four, a replan's four, the three that measure it again, the lowest
     plan's four)."""
     rng = np.random.RandomState(0)
     x, y = rng.randn(1024, 64).astype("float32"), rng.randint(0, 4, 1024)
-    return model.fit(x, y, batch_size=batch_size, epochs=16, verbose=0,
+    return model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0,
                      shuffle=False).history["loss"][-1]
 
 
 def test_keras_keeps_a_byte_budget_automatically(caplog):
-    plain = _fit(_dense_model())
     model = memsave.keras.enable(_dense_model(), budget="3MiB")
     with caplog.at_level(logging.INFO, logger="memsave"):
-        loss = _fit(model)
+        # Sixteen calls, and sixteen more where the loop took its longest
+        # path (a replan measured past its margin once the first plan was let
+        # go: a second replan, measured again, then the lowest plan), which
+        # the allocator's free chunks decide (2 of 4 runs of some -n 2 orders).
+        epochs = 16
+        loss = _fit(model, epochs=epochs)
+        if model.train_function.loop.settled_trace is None:
+            epochs += 16
+            loss = _fit(model, epochs=16)
+    plain = _fit(_dense_model(), epochs=epochs)
     # Settled (a later call past its margin may have it replanned since).
     assert isinstance(model.train_function, budget.MeasuredStep)
     assert model.train_function.loop.settled_trace is not None
