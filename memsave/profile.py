@@ -85,7 +85,8 @@ class PeakBreakdown:
     op's annotation, and the buffers of XLA-compiled calls. ``unnamed``:
     their bytes. ``scratch``: ``(op, bytes)`` over the whole call, largest
     first: the most each op held at once beyond its outputs (its
-    temporaries; an unnamed buffer counts for the last op named before it).
+    temporaries, less those it handed on as outputs; an unnamed buffer
+    counts for the last op named before it).
     ``slack``: bytes of the live chunks beyond what their ops asked for: the
     BFC allocator hands out a free chunk whole when it is under twice the
     request, so a 4 MiB tensor can hold a 7.6 MiB chunk, depending on what
@@ -197,21 +198,56 @@ def _allocation_events(space, device):
                     stats[stat_names[stat.metadata_id]] = value
                 if mine(stats.get("allocator_name", "")):
                     allocated = kinds[event.metadata_id] == "MemoryAllocation"
+                    stats[_THREAD] = line.id   # a line is a thread: it runs one kernel at a time
                     events.append((line.timestamp_ns * 1000 + event.offset_ps, allocated, stats))
     events.sort(key=lambda e: e[0])
     return events
+
+
+# The thread an allocator event came from, added to its stats.
+_THREAD = "_thread"
+
+
+def _outlives_its_op(events):
+    """Indices of the allocations in ``events`` that are not their op's
+    scratch though allocated as such: a temporary the kernel handed on as its
+    output (Einsum's; attention's scores then live, forwarded through the
+    softmax, until the backward pass), which is still held when the next op
+    on its thread allocates, and anything still held when the call ends."""
+    open_temps, held, handed_on = collections.defaultdict(dict), {}, set()
+    for i, (_, allocated, stats) in enumerate(events):
+        addr, thread = stats["addr"], stats.get(_THREAD)
+        if not allocated:
+            held.pop(addr, None)
+            for temps in open_temps.values():
+                temps.pop(addr, None)
+            continue
+        held[addr] = i
+        op, kind = stats.get("tf_op") or None, stats.get("region_type") or None
+        if op is None:
+            continue
+        temps = open_temps[thread]
+        for other, (j, owner) in list(temps.items()):
+            if owner != op:
+                handed_on.add(j)
+                del temps[other]
+        if kind != "output":
+            temps[addr] = (i, op)
+    return handed_on | set(held.values())
 
 
 def _at_peak(events, base):
     """The :class:`PeakBreakdown` of allocator ``events`` above ``base`` bytes."""
     live, peak, at, at_peak, named_last = {}, None, None, {}, None
     scratch, most = collections.Counter(), collections.Counter()   # per op: now, at most
-    for _, allocated, stats in events:
+    not_scratch = _outlives_its_op(events)
+    for i, (_, allocated, stats) in enumerate(events):
         addr = stats["addr"]
         if allocated:
             op, kind = stats.get("tf_op") or None, stats.get("region_type") or None
             # An unnamed buffer is the scratch of the last op named before it.
-            owner = (op or named_last) if op is None or kind != "output" else None
+            owner = ((op or named_last) if (op is None or kind != "output")
+                     and i not in not_scratch else None)
             live[addr] = (op, kind, int(stats["allocation_bytes"]), owner,
                           int(stats.get("requested_bytes", stats["allocation_bytes"])))
             named_last = op or named_last
