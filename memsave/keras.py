@@ -34,7 +34,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from memsave import budget, patching, verify
+from memsave import budget, patching, tf_internal, verify
 from memsave.settings import DEFAULT_CHECKPOINTS, resolve
 
 logger = logging.getLogger("memsave")
@@ -90,11 +90,16 @@ def data_batch_size(x, batch_size=None):
 
 def _first_batch_size(data):
     """The leading size of a ``tf.data.Dataset``'s first element, or None
-    (see :func:`_readable_batch`). Reading it takes an iteration of the
-    dataset: a shuffle that reshuffles each iteration then gives ``fit``
-    another order, and a one-shot generator loses its first batch."""
+    (see :func:`_readable_batch`): the size it was batched with, where the
+    pipeline says it (``tf_internal.declared_batch_size``), else its first
+    element's. Reading that takes an iteration of the dataset: a shuffle
+    that reshuffles each iteration then gives ``fit`` another order, and a
+    one-shot stream loses its first batch."""
     if not _readable_batch(data):
         return None
+    declared = tf_internal.declared_batch_size(data)
+    if declared is not None:
+        return declared
     try:
         first = next(iter(data.take(1)))
     except (StopIteration, tf.errors.OpError):

@@ -43,6 +43,7 @@ def _missing_message(what, error):
 try:
     import tensorflow.python.pywrap_tfe
     import tensorflow.python.client.session
+    import tensorflow.python.data.ops.dataset_ops
     import tensorflow.python.eager.backprop_util
     import tensorflow.python.eager.record
     import tensorflow.python.eager.tape
@@ -226,6 +227,13 @@ _SYMBOLS_TABLE = (
     # returns, serialized): the only record of the buffers a compiled
     # function allocates inside its call; TF exports no reader for it.
     ("HloProto", "tensorflow.compiler.xla.service.hlo_pb2.HloProto"),
+    # A tf.data pipeline's steps: one input each, and those that keep its
+    # elements' structure (prefetch, shuffle, repeat, cache, take, filter).
+    # tf.data has no public way to read the batch size a pipeline was batched
+    # with where the element spec leaves it unknown (see declared_batch_size).
+    ("UnaryDataset", "tensorflow.python.data.ops.dataset_ops.UnaryDataset"),
+    ("UnaryUnchangedStructureDataset",
+     "tensorflow.python.data.ops.dataset_ops.UnaryUnchangedStructureDataset"),
     # The modules memsave.patch() patches besides tf and tf.compat.v1:
     # tf.compat.v1.train.Optimizer calls ``gradients.gradients`` from here.
     ("gradients_impl_module", "tensorflow.python.ops.gradients_impl"),
@@ -287,6 +295,25 @@ def clear_kernel_cache():
     (an op-seeded stateful random op repeats its sequence) and every function
     is instantiated (optimized by Grappler) again on its next call."""
     eager_context().clear_kernel_cache()
+
+
+def declared_batch_size(dataset):
+    """The batch size ``dataset`` was batched with (``batch``, ``padded_batch``),
+    where only steps that keep its elements' structure follow (prefetch,
+    shuffle, repeat, cache, take, filter); else None. Less where the batched
+    dataset has fewer elements than that. Read without iterating the
+    dataset (which would reshuffle it, or consume a stream)."""
+    found = dataset
+    while isinstance(found, UnaryUnchangedStructureDataset):
+        found = getattr(found, "_input_dataset", None)
+    if not isinstance(found, UnaryDataset):
+        return None
+    size = tf.get_static_value(getattr(found, "_batch_size", None))
+    if size is None or size < 1:
+        return None
+    inner = getattr(found, "_input_dataset", None)
+    count = int(inner.cardinality()) if isinstance(inner, tf.data.Dataset) else -1
+    return int(min(size, count)) if count > 0 else int(size)
 
 
 def op_id(op):

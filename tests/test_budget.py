@@ -830,13 +830,13 @@ def test_keras_undoes_a_refused_call_and_trains_on_its_batch_again(monkeypatch):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def _wide_model():
+def _wide_model(steps_per_execution=1):
     """Twelve Dense(256) layers and Adam: about 12 MiB of plain step at batch 1024."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((256,))] + [
         keras.layers.Dense(256, activation="relu") for _ in range(12)] + [keras.layers.Dense(10)])
-    model.compile(optimizer="adam", jit_compile=False, loss=(
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+    model.compile(optimizer="adam", jit_compile=False, steps_per_execution=steps_per_execution,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
@@ -852,14 +852,18 @@ def _assert_trained_alike(model, plain):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-def test_keras_sizes_an_unknown_batch_from_the_batch_fit_reads(caplog):
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_keras_sizes_an_unknown_batch_from_the_batch_fit_reads(caplog, steps_per_execution):
     # A dataset of unknown batch size was read once before fit to size the
     # plan: a shuffle that reshuffles each iteration then gave fit another
     # order (weights 1.9 apart, relative), and a stream lost its first batch;
     # a later fit read it again (a helper found both). The loop sizes the plan
-    # from the first batch it reads ahead of its call, as fit reads it.
+    # from the first batch it reads ahead of its call, as fit reads it, or
+    # where it cannot read ahead (several steps per call), from the size the
+    # pipeline was batched with, without reading it.
     x, y = _learnable()
-    plain, model = _wide_model(), memsave.keras.enable(_wide_model(), budget="40MiB")
+    plain, model = (_wide_model(steps_per_execution),
+                    memsave.keras.enable(_wide_model(steps_per_execution), budget="40MiB"))
     with caplog.at_level(logging.INFO, logger="memsave"):
         for fitted in (plain, model):
             data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(4096, seed=3).batch(1024)

@@ -11,6 +11,7 @@ import importlib
 import logging
 import pathlib
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -392,3 +393,21 @@ def test_gradients_with_prunable_ops_build_fewer_ops_and_give_tf_values():
         a, b = session.run([plain, pruned], {x: [[0.5, -1.0, 2.0, 0.25], [1.5, 0.0, -2.0, 3.0],
                                                  [1.0, 1.0, -0.5, 2.5]]})
     assert (a == b).all() and abs(a).max() > 0
+
+
+def test_a_pipelines_declared_batch_size_is_read_without_iterating_it():
+    rows = tf.data.Dataset.from_tensor_slices(np.zeros((1000, 3), np.float32))
+
+    def same(x):
+        return x
+
+    declared = tf_internal.declared_batch_size
+    assert declared(rows.batch(64)) == 64
+    assert declared(rows.shuffle(100, seed=1).batch(64).prefetch(2).repeat().cache()) == 64
+    assert declared(rows.batch(64, num_parallel_calls=2)) == 64
+    assert declared(rows.padded_batch(32)) == 32
+    assert declared(rows.filter(lambda x: True).batch(50)) == 50   # unknown count: the size
+    assert declared(rows.take(10).batch(64)) == 10                  # fewer rows than a batch
+    assert declared(rows) is None
+    assert declared(rows.batch(64).map(same)) is None               # a map may change it
+    assert declared(rows.batch(64).unbatch().batch(8)) == 8
