@@ -9,7 +9,8 @@ models), those no op is named for (kernel scratch, the buffers of
 XLA-compiled calls), and the largest named allocations. Writes
 ``benchmarks/results/peak_breakdown.{json,md}``.
 
-    python -m benchmarks.peak_breakdown [--models ConvNeXtTiny;ResNet50]
+    python -m benchmarks.peak_breakdown [--models ConvNeXtTiny;ResNet50] [--budgets 0.45]
+        [--stem peak_breakdown]
 """
 
 import logging
@@ -36,8 +37,10 @@ class _Estimates(logging.Handler):
             self.found.append((float(match.group(1)), float(match.group(2))))
 
 
-def measure(name):
-    """The rows of one zoo model, one per configuration."""
+def measure(name, budgets=()):
+    """The rows of one zoo model, one per configuration (and one per fraction
+    in ``budgets``: 'optimal' planned for that fraction of plain's estimated
+    peak, as a budget loop's trace plans)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import memsave  # pylint: disable=import-outside-toplevel
@@ -53,11 +56,13 @@ def measure(name):
     logger.addHandler(estimates)
     logger.setLevel(logging.INFO)
     rows = []
-    for label, checkpoints in CONFIGS:
+    configs = [(label, checkpoints, {}) for label, checkpoints in CONFIGS] + [
+        ("budget %g × plain's estimate" % f, "optimal", {"budget": f}) for f in budgets]
+    for label, checkpoints, options in configs:
         @tf.function
-        def step(checkpoints=checkpoints):
+        def step(checkpoints=checkpoints, options=options):
             tape = (tf.GradientTape() if checkpoints is None
-                    else memsave.GradientTape(checkpoints=checkpoints))
+                    else memsave.GradientTape(checkpoints=checkpoints, **options))
             with tape:
                 loss = loss_fn(labels, model(inputs, training=True))
             return [g for g in tape.gradient(loss, model.trainable_variables) if g is not None]
@@ -73,6 +78,7 @@ def measure(name):
                      "at": breakdown.at,
                      "largest": [[op, kind, nbytes / MIB, count]
                                  for op, kind, nbytes, count in named[:5]],
+                     "slack_mib": breakdown.slack / MIB,
                      "summary": breakdown.summary(top=12)})
     logger.removeHandler(estimates)
     if estimates.found:   # plain's estimate, from the last plan
@@ -83,14 +89,17 @@ def measure(name):
 def table(rows):
     lines = ["Peak breakdown (memsave.profile.peak_breakdown), MiB above the step's baseline: "
              "allocations alive at the measured peak, named by op or not (kernel scratch, "
-             "the buffers of XLA-compiled calls)", "",
-             "| model | config | measured | estimated | named at the peak | unnamed at the peak |",
-             "|---|---|---|---|---|---|"]
+             "the buffers of XLA-compiled calls), and the bytes of their chunks beyond what "
+             "they asked for (BFC hands out a free chunk whole when it is under twice the "
+             "request)", "",
+             "| model | config | measured | estimated | named at the peak | unnamed at the peak "
+             "| chunk slack |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append("| %s | %s | %.1f | %s | %.1f | %.1f |" % (
+        lines.append("| %s | %s | %.1f | %s | %.1f | %.1f | %.1f |" % (
             r["model"], r["config"], r["measured_mib"],
             "%.1f" % r["estimated_mib"] if r["estimated_mib"] is not None else "-",
-            r["named_mib"], r["unnamed_mib"]))
+            r["named_mib"], r["unnamed_mib"], r["slack_mib"]))
     return "\n".join(lines) + "\n"
 
 
@@ -99,18 +108,23 @@ def main(argv=None):
     arguments = cli.parser(__doc__)
     arguments.add_argument("--models", default="ConvNeXtTiny",
                            help="zoo entries separated by ';'")
+    arguments.add_argument("--budgets", default="",
+                           help="fractions of plain's estimated peak to plan for too, "
+                                "separated by ','")
+    arguments.add_argument("--stem", default="peak_breakdown", help="results file name")
     args = cli.parse(arguments, argv)
     start = time.time()
     rows = []
+    budgets = [float(f) for f in args.budgets.split(",") if f]
     for name in args.models.split(";"):
-        rows += measure(name)
+        rows += measure(name, budgets)
     markdown = table(rows)
     for r in rows:
         print("%s, %s:\n%s\n" % (r["model"], r["config"], r["summary"]))
-    cli.write(args.out, "peak_breakdown",
+    cli.write(args.out, args.stem,
               {"rows": rows, "meta": {"seconds": time.time() - start}}, markdown)
     cli.report({"markdown": markdown, "meta": {"seconds": time.time() - start}},
-               "peak_breakdown", args.out)
+               args.stem, args.out)
 
 
 if __name__ == "__main__":
