@@ -325,11 +325,12 @@ def _copies_that_run(p, members, idx):
     return run
 
 
-def shared_recomputation(graph, kept, prepared=None):
+def shared_recomputation(graph, kept, prepared=None, latest=True):
     """Unkept nodes that more than one segment recomputes, latest first.
 
     Only the latest of them (none of whose consumers is also shared) are
-    returned: keeping those stops every walk that went further back.
+    returned: keeping those stops every walk that went further back. With
+    ``latest=False``, every one of them (candidates all).
     """
     p = prepared or prepare(graph)
     idx = kept_indices(p, kept)
@@ -339,8 +340,9 @@ def shared_recomputation(graph, kept, prepared=None):
         shared |= recomputed & seen
         seen |= recomputed
     preds = p.preds
-    latest = shared.difference(*(preds[n] for n in shared)) if shared else shared
-    return [p.names[n] for n in sorted(latest, reverse=True)
+    if latest and shared:
+        shared = shared.difference(*(preds[n] for n in shared))
+    return [p.names[n] for n in sorted(shared, reverse=True)
             if graph.nodes[p.names[n]]["candidate"]]
 
 
