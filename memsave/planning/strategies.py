@@ -105,7 +105,7 @@ def speed_candidates(graph):
                                if d["candidate"] and d["expensive"]])
 
 
-def recompute_once(graph, kept, prepared=None, rounds=8):
+def recompute_once(graph, kept, prepared=None, rounds=8, latest=True):
     """``kept`` grown until no tensor is recomputed by more than one segment.
 
     The rewrite copies what each segment needs down to the kept tensors, so
@@ -113,29 +113,13 @@ def recompute_once(graph, kept, prepared=None, rounds=8):
     once per segment: keeping only the matmul outputs of a transformer
     recomputes the residual stream from the embeddings in every segment
     (quadratic in depth). Each round keeps the latest such tensors, which
-    ends the walks that went further back.
+    ends the walks that went further back; with ``latest=False``, every
+    one of them (see :func:`speed`).
     """
     prepared = prepared or prepare(graph)
     kept = list(kept)
     for _ in range(rounds):
-        shared = shared_recomputation(graph, kept, prepared)
-        if not shared:
-            break
-        kept += shared
-    return topological(graph, set(kept))
-
-
-def _every_shared_kept(graph, kept, prepared=None, rounds=8):
-    """``kept`` grown by every tensor that several segments recompute, until
-    none is: for a recurrence whose state every step's projection reads
-    (Qwen3.5's gated delta rule over 32 tokens), each round of
-    :func:`recompute_once` keeps one more step's state, and the state chain
-    below is recomputed once per step (405% of a training step for the
-    'speed' plan after its eight rounds: a step 14 times plain's)."""
-    prepared = prepared or prepare(graph)
-    kept = list(kept)
-    for _ in range(rounds):
-        shared = shared_recomputation(graph, kept, prepared, latest=False)
+        shared = shared_recomputation(graph, kept, prepared, latest=latest)
         if not shared:
             break
         kept += shared
@@ -149,8 +133,12 @@ def speed(graph):
     Backprop then recomputes only cheap elementwise work, once, so the step
     time barely rises; memory drops less than with 'memory'. To keep the
     outputs of other op types, use :func:`memsave.planning.keep_op_types`.
-    Where that still recomputes more than a forward pass (a recurrence, see
-    :func:`_every_shared_kept`), everything several segments recompute is kept.
+    Where that still recomputes more than a forward pass, everything several
+    segments recompute is kept: for a recurrence whose state every step's
+    projection reads (Qwen3.5's gated delta rule over 32 tokens), each
+    round keeps one more step's state, and after eight the state chain
+    below was recomputed once per step (405% of a training step, a step 14
+    times plain's).
     """
     chosen = speed_candidates(validate(graph))
     notes = [] if chosen else ["no matmul/conv/einsum outputs between xs and ys"]
@@ -158,7 +146,7 @@ def speed(graph):
         prepared = prepare(graph)
         chosen = recompute_once(graph, chosen, prepared)
         if recompute_cost(graph, chosen, prepared) > forward_work(graph):
-            chosen = _every_shared_kept(graph, chosen, prepared)
+            chosen = recompute_once(graph, chosen, prepared, latest=False)
     return plan_for(graph, chosen, "speed", notes)
 
 
