@@ -160,6 +160,17 @@ def _size_unread_batch(model, data=None, spec=None):
     if found is not None:
         logger.info("memsave.keras: the data's batch dimension is unknown; its first "
                     "batch has %d, planned for", found)
+    _store_data_batch(model, found)
+
+
+def _data_batch(model):
+    """The batch size the data of ``model``'s last ``fit``/``train_on_batch``
+    gave: in its :func:`enable` state, or on a :class:`MemorySavingModel`."""
+    state = model.__dict__.get(_ATTR)
+    return model.__dict__.get("_memsave_data_batch") if state is None else state.get("data_batch")
+
+
+def _store_data_batch(model, found):
     state = model.__dict__.get(_ATTR)
     if state is not None:
         state["data_batch"] = found
@@ -176,28 +187,27 @@ def _remembering_batch(model, method, batch_of):
         if state is None:
             with verify.mismatch_raised():
                 return method(*args, **kwargs)
-        return _trained_on_batch(model, state["settings"], batch_of, state.get("data_batch"),
-                                 lambda found: state.__setitem__("data_batch", found),
-                                 method, args, kwargs)
+        return _trained_on_batch(model, state["settings"], batch_of, method, args, kwargs)
     return wrapper
 
 
-def _trained_on_batch(model, settings, batch_of, previous, store, method, args, kwargs):
+def _trained_on_batch(model, settings, batch_of, method, args, kwargs):
     """``method(*args, **kwargs)`` (``fit`` or ``train_on_batch``) with the
-    batch size its data gives stored (``store``; see :func:`_batch_for`).
-    Under a byte budget a ``fit`` whose batch size is not the ``previous``
-    one's starts a budget loop of its own: a step Keras does not trace
+    batch size its data gives stored (see :func:`_batch_for`). Under a byte
+    budget a ``fit`` whose batch size is not the previous call's starts a
+    budget loop of its own: a step Keras does not trace
     again (an unknown batch dimension) ran the plan for the old batch, and
     the loop, measuring the new one against that plan's estimate, read a
     factor of five as its error and raised BudgetError where plans fit (a
     helper: ``fit`` at 256, then at 1024)."""
+    previous = _data_batch(model)
     found = _batch_for(model, settings, batch_of, args, kwargs)
     if (batch_of is _fit_batch and budget.is_bytes(settings.budget)
             and None not in (previous, found) and found != previous):
         logger.info("memsave.keras: %s: the batch size is %d, the budget loop's %d; its step "
                     "is traced and measured again", model.name, found, previous)
         _reset_train_function(model)
-    store(found)
+    _store_data_batch(model, found)
     try:
         with verify.mismatch_raised():
             return method(*args, **kwargs)
@@ -438,10 +448,7 @@ class MemorySavingModel:
         return self._memsave_trained(_train_on_batch_batch, super().train_on_batch, args, kwargs)
 
     def _memsave_trained(self, batch_of, method, args, kwargs):
-        return _trained_on_batch(
-            self, self._memsave_settings(), batch_of, self.__dict__.get("_memsave_data_batch"),
-            lambda found: self.__dict__.__setitem__("_memsave_data_batch", found),
-            method, args, kwargs)
+        return _trained_on_batch(self, self._memsave_settings(), batch_of, method, args, kwargs)
 
     def _memsave_settings(self):
         checkpoints = getattr(self, "memsave_strategy", None) or self.memsave_checkpoints
