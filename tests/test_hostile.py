@@ -849,3 +849,36 @@ def test_a_lookup_of_a_frozen_table_with_ids_computed_from_an_x(lookup, strategy
         ours = memsave.gradients(loss, [w], fallback=False, min_checkpoint_size=0,
                                  checkpoints=[h] if strategy == "list" else strategy)
     _run_equal(graph, plain, ours)
+
+
+def test_the_garbage_collector_is_paused_while_building_and_left_as_it_was():
+    # memsave pauses Python's cyclic collector while it builds (full
+    # collections walk the whole process); it must come back as the caller
+    # had it, after a plan, after an error, and off where the caller had it off.
+    import gc  # pylint: disable=import-outside-toplevel
+    graph, ws, hs, loss = _side_effect_graph()
+    during = []
+
+    def strategy(plan_graph):
+        during.append(gc.isenabled())
+        return [hs[1].name]
+
+    def failing(plan_graph):
+        during.append(gc.isenabled())
+        raise RuntimeError("a strategy that fails")
+
+    was_enabled = gc.isenabled()
+    try:
+        with graph.as_default():
+            gc.enable()
+            memsave.gradients(loss, ws, checkpoints=strategy)
+            assert gc.isenabled()
+            with pytest.raises(RuntimeError, match="a strategy that fails"):
+                memsave.gradients(loss, ws, checkpoints=failing)
+            assert gc.isenabled()
+            gc.disable()
+            memsave.gradients(loss, ws, checkpoints=strategy)
+            assert not gc.isenabled()
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    assert during == [False, False, False]
