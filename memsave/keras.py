@@ -89,22 +89,24 @@ def data_batch_size(x, batch_size=None):
 
 
 def _first_batch_size(data):
-    """The leading size of a ``tf.data.Dataset``'s first element, or None
-    (see :func:`_readable_batch`): the size it was batched with, where the
-    pipeline says it (``tf_internal.declared_batch_size``), else its first
-    element's. Reading that takes an iteration of the dataset: a shuffle
-    that reshuffles each iteration then gives ``fit`` another order, and a
+    """``(size, where it was read)`` of a ``tf.data.Dataset``'s first batch,
+    or ``(None, None)`` (see :func:`_readable_batch`): the size it was
+    batched with, where the pipeline says it
+    (``tf_internal.declared_batch_size``), else its first element's.
+    Reading that takes an iteration of the dataset: a shuffle that
+    reshuffles each iteration then gives ``fit`` another order, and a
     one-shot stream loses its first batch."""
     if not _readable_batch(data):
-        return None
+        return None, None
     declared = tf_internal.declared_batch_size(data)
     if declared is not None:
-        return declared
+        return declared, "it was batched by %d" % declared
     try:
         first = next(iter(data.take(1)))
     except (StopIteration, tf.errors.OpError):
-        return None
-    return _leading_size(first)
+        return None, None
+    found = _leading_size(first)
+    return found, "its first batch has %d" % found
 
 
 def _readable_batch(data):
@@ -148,18 +150,20 @@ def _size_unread_batch(model, data=None, spec=None):
     """Where :func:`_batch_for` left the batch size to the loop's first read:
     set it from ``data`` (the batch the loop read ahead, whose element spec
     is ``spec``, where known), or, where the loop cannot read ahead (several
-    steps per call, a distributed iterator), by reading a dataset's first
-    element once more (see :func:`_first_batch_size`)."""
+    steps per call, a distributed iterator), from the size the dataset was
+    batched with, else by reading its first element once more (see
+    :func:`_first_batch_size`)."""
     if _UNREAD not in model.__dict__:
         return
     unread = model.__dict__.pop(_UNREAD)
     if data is None:
-        found = _first_batch_size(unread)
+        found, said = _first_batch_size(unread)
     else:
         found = _leading_size(data) if spec is None or _batch_alone_unknown(spec) else None
+        said = "its first batch has %d" % found if found is not None else None
     if found is not None:
-        logger.info("memsave.keras: the data's batch dimension is unknown; its first "
-                    "batch has %d, planned for", found)
+        logger.info("memsave.keras: the data's batch dimension is unknown; %s, planned "
+                    "for", said)
     _store_data_batch(model, found)
 
 
