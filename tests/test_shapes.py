@@ -2,6 +2,7 @@
 fallback to plain gradients when a plan would not save memory."""
 
 import logging
+import re
 
 import keras
 import numpy as np
@@ -161,6 +162,43 @@ def test_relaxed_retrace_plans_on_the_first_trace_shapes(caplog):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
     at_first, at_relaxed = peak_memory(first, data), peak_memory(relaxed, data)
     assert at_relaxed <= 1.1 * at_first, (at_first, at_relaxed)
+
+
+def test_relaxed_retrace_takes_its_batch_from_batch_size_over_the_first_trace(caplog):
+    """A retrace for another batch (Keras' fit at 32, then at 128) is planned
+    for that batch where ``batch_size=`` says it, not for the first trace's."""
+    model = _conv_model()
+    data = np.random.RandomState(0).randn(32, 32, 32, 3).astype(np.float32)
+
+    def step_for(batch_size):
+        @tf.function(reduce_retracing=True)
+        def step(x):
+            with memsave.GradientTape(checkpoints="optimal", batch_size=batch_size) as tape:
+                loss = tf.reduce_mean(tf.square(model(x)))
+            return tape.gradient(loss, model.trainable_variables)
+        return step
+
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        first = step_for(None)
+        first(data)
+        first(data[:5])   # relaxed, on the first trace's sizes
+        relaxed = _estimated_peaks(caplog)
+        caplog.clear()
+    assert len(relaxed) == 2 and relaxed[0] == relaxed[1]   # both traces sized at 32
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        second = step_for(128)
+        second(data)
+        second(data[:5])
+        messages = [r.getMessage() for r in caplog.records]
+        peaks = _estimated_peaks(caplog)
+    assert any("batch_size=128 for the leading axis" in m for m in messages), messages
+    assert len(peaks) == 2 and peaks[1] > 3 * peaks[0]   # 32 at its first trace, 128 after
+
+
+def _estimated_peaks(caplog):
+    """The estimated peaks (MiB) of the plans logged, in order."""
+    return [float(m) for r in caplog.records
+            for m in re.findall(r"estimated backward peak: ([0-9.]+) MiB", r.getMessage())]
 
 
 def test_data_batch_size():

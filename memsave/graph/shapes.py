@@ -143,8 +143,14 @@ def _source_hints(region, ancestors, shapes, batch_size):
             continue
         seen = _FIRST_SEEN.get((key, name)) if key is not None else None
         if seen is not None and seen.is_compatible_with(t.shape):
-            hints[name] = seen
-            from_trace.append("%s %s" % (name, seen))
+            dims = seen.as_list()
+            if batch_size and t.shape[0] is None and dims[0] != batch_size:
+                # The data's batch is this trace's, the first trace's may not
+                # be (Keras' fit at 256, then at 1024: a plan for 256).
+                dims[0] = batch_size
+                from_batch.append(name)
+            hints[name] = tf.TensorShape(dims)
+            from_trace.append("%s %s" % (name, hints[name]))
             continue
         dims = t.shape.as_list()
         if batch_size and dims and dims[0] is None:
