@@ -88,25 +88,26 @@ def data_batch_size(x, batch_size=None):
     return min(batch_size or 32, n) if n else None
 
 
+def _declared_batch_size(data):
+    """The size a ``tf.data.Dataset`` was batched with, where its pipeline
+    says it (``tf_internal.declared_batch_size``), found without iterating
+    it; else None (see :func:`_readable_batch`)."""
+    return tf_internal.declared_batch_size(data) if _readable_batch(data) else None
+
+
 def _first_batch_size(data):
-    """``(size, where it was read)`` of a ``tf.data.Dataset``'s first batch,
-    or ``(None, None)`` (see :func:`_readable_batch`): the size it was
-    batched with, where the pipeline says it
-    (``tf_internal.declared_batch_size``), else its first element's.
-    Reading that takes an iteration of the dataset: a shuffle that
-    reshuffles each iteration then gives ``fit`` another order, and a
-    one-shot stream loses its first batch."""
+    """The leading size of a ``tf.data.Dataset``'s first element, or None
+    (see :func:`_readable_batch`). Reading it takes an iteration of the
+    dataset: a shuffle that reshuffles each iteration then gives ``fit``
+    another order, and a one-shot stream loses its first batch (so
+    :func:`_declared_batch_size` comes first)."""
     if not _readable_batch(data):
-        return None, None
-    declared = tf_internal.declared_batch_size(data)
-    if declared is not None:
-        return declared, "it was batched by %d" % declared
+        return None
     try:
         first = next(iter(data.take(1)))
     except (StopIteration, tf.errors.OpError):
-        return None, None
-    found = _leading_size(first)
-    return found, "its first batch has %d" % found
+        return None
+    return _leading_size(first)
 
 
 def _readable_batch(data):
@@ -135,14 +136,23 @@ def _batch_for(model, settings, batch_of, args, kwargs):
     batch: the loop keeps bytes, and a plan for a guessed batch (32 where
     600 came) is dominated by the weights' gradients, recomputes little and
     misleads the loop (a helper saw BudgetError where plans at 9 MiB fit a
-    15 MiB budget). The budget loop reads each batch it measures before the
-    call (see :func:`_replayed_batch`), so the first is sized there, as
-    ``fit`` reads it; a settled loop's step is not traced again for it (its
-    batch dimension is unknown)."""
+    15 MiB budget). Where the pipeline says the size it was batched with,
+    that is the size, found now, so that a ``fit`` at another batch size
+    than the last starts a loop of its own (see :func:`_trained_on_batch`).
+    Else the budget loop reads each batch it measures before the call (see
+    :func:`_replayed_batch`), so the first is sized there, as ``fit`` reads
+    it; a settled loop's step is not traced again for it (its batch
+    dimension is unknown)."""
     model.__dict__.pop(_UNREAD, None)
     found = batch_of(*args, **kwargs)
     if found is None and budget.is_bytes(settings.budget):
-        model.__dict__[_UNREAD] = args[0] if args else kwargs.get("x")
+        data = args[0] if args else kwargs.get("x")
+        found = _declared_batch_size(data)
+        if found is None:
+            model.__dict__[_UNREAD] = data
+        else:
+            logger.info("memsave.keras: the data's batch dimension is unknown; it was "
+                        "batched by %d, planned for", found)
     return found
 
 
@@ -150,20 +160,18 @@ def _size_unread_batch(model, data=None, spec=None):
     """Where :func:`_batch_for` left the batch size to the loop's first read:
     set it from ``data`` (the batch the loop read ahead, whose element spec
     is ``spec``, where known), or, where the loop cannot read ahead (several
-    steps per call, a distributed iterator), from the size the dataset was
-    batched with, else by reading its first element once more (see
-    :func:`_first_batch_size`)."""
+    steps per call, a distributed iterator), by reading a dataset's first
+    element once more (see :func:`_first_batch_size`)."""
     if _UNREAD not in model.__dict__:
         return
     unread = model.__dict__.pop(_UNREAD)
     if data is None:
-        found, said = _first_batch_size(unread)
+        found = _first_batch_size(unread)
     else:
         found = _leading_size(data) if spec is None or _batch_alone_unknown(spec) else None
-        said = "its first batch has %d" % found if found is not None else None
     if found is not None:
-        logger.info("memsave.keras: the data's batch dimension is unknown; %s, planned "
-                    "for", said)
+        logger.info("memsave.keras: the data's batch dimension is unknown; its first "
+                    "batch has %d, planned for", found)
     _store_data_batch(model, found)
 
 

@@ -852,26 +852,30 @@ def _assert_trained_alike(model, plain):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 2])
-def test_keras_sizes_an_unknown_batch_from_the_batch_fit_reads(caplog, steps_per_execution):
+@pytest.mark.parametrize("steps_per_execution, pipeline",
+                         [(1, "batched"), (2, "batched"), (1, "mapped")])
+def test_keras_sizes_an_unknown_batch_from_the_batch_fit_reads(caplog, steps_per_execution,
+                                                               pipeline):
     # A dataset of unknown batch size was read once before fit to size the
     # plan: a shuffle that reshuffles each iteration then gave fit another
     # order (weights 1.9 apart, relative), and a stream lost its first batch;
-    # a later fit read it again (a helper found both). The loop sizes the plan
-    # from the first batch it reads ahead of its call, as fit reads it, or
-    # where it cannot read ahead (several steps per call), from the size the
-    # pipeline was batched with, without reading it.
+    # a later fit read it again (a helper found both). The plan is sized
+    # from the size the pipeline was batched with, read without iterating
+    # it, or where a step follows that may change it (a map), from the first
+    # batch the loop reads ahead of its call, as fit reads it.
     x, y = _learnable()
     plain, model = (_wide_model(steps_per_execution),
                     memsave.keras.enable(_wide_model(steps_per_execution), budget="40MiB"))
     with caplog.at_level(logging.INFO, logger="memsave"):
         for fitted in (plain, model):
             data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(4096, seed=3).batch(1024)
+            if pipeline == "mapped":
+                data = data.map(lambda a, b: (a * 1.0, b))
             assert data.element_spec[0].shape[0] is None
             for _ in range(2):   # a second fit: the loop settled in the first
                 fitted.fit(data, epochs=8, verbose=0)
     assert model.train_function.loop.done
-    said = "it was batched by 1024" if steps_per_execution > 1 else "its first batch has 1024"
+    said = "it was batched by 1024" if pipeline == "batched" else "its first batch has 1024"
     assert any(said in r.getMessage() for r in caplog.records)
     _assert_trained_alike(model, plain)
 
@@ -893,16 +897,24 @@ def test_keras_trains_a_generator_under_a_byte_budget_for_its_real_batch():
     _assert_trained_alike(model, plain)
 
 
-def test_keras_starts_a_budget_loop_for_a_fit_at_another_batch_size():
+@pytest.mark.parametrize("second", ["arrays", "dataset"])
+def test_keras_starts_a_budget_loop_for_a_fit_at_another_batch_size(second):
     # fit at 256, then at 1024: Keras kept the step traced for an unknown
     # batch, so the plan for 256 ran at 1024, and the loop read the factor
     # of five between its estimate and the measurement as its error: a
-    # BudgetError where a fresh loop at 1024 trains (a helper found it).
+    # BudgetError where a fresh loop at 1024 trains (a helper found it with
+    # arrays; with a dataset batched by 1024, whose batch dimension is
+    # unknown, the new size was only read inside the call, too late).
     x, y = _learnable()
     plain, model = _wide_model(), memsave.keras.enable(_wide_model(), budget="12MiB")
     for fitted in (plain, model):
         fitted.fit(x, y, batch_size=256, epochs=1, verbose=0, shuffle=False)
-        fitted.fit(x, y, batch_size=1024, epochs=8, verbose=0, shuffle=False)
+        if second == "arrays":
+            fitted.fit(x, y, batch_size=1024, epochs=8, verbose=0, shuffle=False)
+        else:
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(1024)
+            assert data.element_spec[0].shape[0] is None
+            fitted.fit(data, epochs=8, verbose=0)
     assert model.train_function.loop.done
     _assert_trained_alike(model, plain)
 
@@ -1417,7 +1429,7 @@ def test_keras_plans_a_byte_budget_for_the_first_batch_of_a_dataset_of_unknown_b
     with caplog.at_level(logging.INFO, logger="memsave"):
         model.fit(data, epochs=4, verbose=0)
     said = [r.getMessage() for r in caplog.records]
-    assert any("its first batch has 600" in m for m in said), said
+    assert any("it was batched by 600" in m for m in said), said
     assert model.train_function.loop.settled_trace is not None, said
     for ours, theirs in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
