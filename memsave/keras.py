@@ -100,7 +100,7 @@ def _first_batch_size(data):
     (see :func:`_readable_batch`). Reading it takes an iteration of the
     dataset: a shuffle that reshuffles each iteration then gives ``fit``
     another order, and a one-shot stream loses its first batch (so
-    :func:`_declared_batch_size` comes first)."""
+    :func:`_batch_for` asks :func:`_declared_batch_size` first)."""
     if not _readable_batch(data):
         return None
     try:
