@@ -23,11 +23,12 @@ logger = logging.getLogger("memsave")
 _SINK = ("memsave", "sink")
 
 
-def plan_for(graph, chosen, strategy, notes=()):
-    """A :class:`Plan` that keeps ``chosen`` (names in ``graph``), with estimates."""
+def plan_for(graph, chosen, strategy, notes=(), prepared=None):
+    """A :class:`Plan` that keeps ``chosen`` (names in ``graph``), with estimates
+    (``prepared``: the strategy's :func:`prepare` of ``graph``, if it made one)."""
     chosen = topological(graph, set(chosen))
     forced = nodes_where(graph, "forced")
-    prepared = prepare(graph)
+    prepared = prepared or prepare(graph)
     peak = simulate_peak(graph, set(chosen) | set(forced), prepared)
     plain = simulate_peak(graph, (), prepared)
     # Nothing kept at all is plain backprop, which recomputes nothing.
@@ -142,12 +143,12 @@ def speed(graph):
     """
     chosen = speed_candidates(validate(graph))
     notes = [] if chosen else ["no matmul/conv/einsum outputs between xs and ys"]
+    prepared = prepare(graph)
     if chosen:
-        prepared = prepare(graph)
         chosen = recompute_once(graph, chosen, prepared)
         if recompute_cost(graph, chosen, prepared) > forward_work(graph):
             chosen = recompute_once(graph, chosen, prepared, latest=False)
-    return plan_for(graph, chosen, "speed", notes)
+    return plan_for(graph, chosen, "speed", notes, prepared)
 
 
 def bottlenecks(graph):
