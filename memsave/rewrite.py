@@ -548,9 +548,11 @@ class _Rewrite:
         levels that recompute nothing, see :func:`_segment_groups`):
         differentiate those with a running sum, through the others."""
         group = [ref.deref() for ref in refs]
-        # The newest first, as tf.gradients meets them going back from the
-        # ys: the rows a variable read by several of them (two lookups of
-        # one table) gets come in plain's order (a helper found them swapped).
+        # The newest first, as tf.gradients meets two lookups of one table
+        # on a chain going back from the ys: the variable's rows then come
+        # in plain's order there (a helper found them swapped). Its queue's
+        # order in general, and the order across segments, is not
+        # reproduced (see guarantees.md).
         active = sorted((t for t in group if self.d_cp.total(t) is not None),
                         key=lambda t: (tf_internal.op_id(t.op), t.value_index), reverse=True)
         # Under offloading or XLA nothing merges (see merge_info): a level's
