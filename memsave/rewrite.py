@@ -22,8 +22,11 @@ spans two segments. What is built is recorded for the audit
 """
 
 import bisect
+import collections
 import dataclasses
+import itertools
 import logging
+import math
 
 import tensorflow as tf
 
@@ -104,30 +107,110 @@ class _Accumulator:
     per checkpoint stays alive between segments; keeping the partials and
     summing them when needed would hold all of them (DenseNet-style graphs
     would keep O(n^2) activations' worth of partial gradients).
+
+    Sparse partials (IndexedSlices) given a ``position`` are the exception:
+    they are kept apart and concatenated in the order of their positions by
+    :meth:`total`, so that a variable read by several lookups gets their
+    rows in the order plain backprop reaches the lookups, not the order the
+    segments ran (see :func:`_backward_positions`). A concatenation as they
+    come would hold as much: each holds every row so far.
     """
 
     def __init__(self):
         self._sums = {}
+        self._rows = {}      # ref -> [position, arrival, IndexedSlices, fenced]
         self._changed = {}
 
-    def add(self, t, grad):
-        """Add a partial gradient to ``t``'s running sum."""
+    def add(self, t, grad, position=None):
+        """Add a partial gradient to ``t``'s running sum (a sparse one with a
+        ``position``, or after one, to its rows kept apart)."""
         if grad is None:
             return
-        self._sums[t.ref()] = aggregate([self._sums.get(t.ref()), grad])
-        self._changed[t.ref()] = True
+        ref = t.ref()
+        self._changed[ref] = True
+        if (isinstance(grad, tf.IndexedSlices) and ref not in self._sums
+                and (position is not None or ref in self._rows)):
+            rows = self._rows.setdefault(ref, [])
+            rows.append([math.inf if position is None else position, len(rows), grad, False])
+            return
+        self._sums[ref] = aggregate([self._rows_in_order(ref), self._sums.get(ref), grad])
+
+    def _rows_in_order(self, ref, keep=False):
+        """The rows kept apart for ``ref``, concatenated in position order, or
+        None; no longer kept apart unless ``keep``."""
+        rows = self._rows.get(ref) if keep else self._rows.pop(ref, None)
+        if not rows:
+            return None
+        return aggregate([grad for _, _, grad, _ in sorted(rows, key=lambda r: r[:2])])
 
     def fence_changed(self):
-        """Fence the sums changed since the last call (see :func:`fence`); return them."""
+        """Fence the sums (or new rows) changed since the last call (see
+        :func:`fence`); return them."""
         out = []
         for ref in self._changed:
-            self._sums[ref] = fenced = fence(self._sums[ref])
-            out.append(fenced)
+            if ref in self._sums:
+                self._sums[ref] = fenced = fence(self._sums[ref])
+                out.append(fenced)
+                continue
+            for row in self._rows[ref]:
+                if not row[3]:
+                    row[2], row[3] = fence(row[2]), True
+                    out.append(row[2])
         self._changed = {}
         return out
 
     def total(self, t):
-        return self._sums.get(t.ref())
+        ref = t.ref()
+        if ref in self._rows:
+            return self._rows_in_order(ref, keep=True)
+        return self._sums.get(ref)
+
+
+def _backward_positions(region):
+    """``{op: position}`` in the order ``tf.gradients`` takes the ops of
+    ``region``'s graph going back from its ys: its ops between the xs and the
+    ys (reached from the xs through differentiable tensors, and reaching
+    the ys), each taken once every such op that reads it was, first come
+    first served (a queue; the tape's is one too). A variable read by
+    several lookups gets their rows concatenated in this order. The ops
+    TensorFlow walks here are not the region's: a stop_gradient between the
+    two is one of them, and the order it holds an op back must be kept."""
+    reached, queue = set(), collections.deque(x.op for x in region.xs)
+    per_dtype = {}   # a variant's (a TensorList's) depends on what it holds
+    while queue:
+        op = queue.popleft()
+        if op not in reached:
+            reached.add(op)
+            for out in op.outputs:
+                trainable = per_dtype.get(out.dtype)
+                if trainable is None:
+                    trainable = tf_internal.is_trainable(out)
+                    if out.dtype != tf.variant:
+                        per_dtype[out.dtype] = trainable
+                if trainable:
+                    queue.extend(out.consumers())
+    between, queue = set(), collections.deque(y.op for y in region.ys)
+    while queue:
+        op = queue.popleft()
+        if op in reached and op not in between:
+            between.add(op)
+            queue.extend(t.op for t in op.inputs)
+    pending = collections.Counter(t.op for op in between for t in op.inputs if t.op in between)
+    queue, queued = collections.deque(), set()
+    for y in region.ys:
+        if y.op in between and not pending[y.op] and y.op not in queued:
+            queued.add(y.op)
+            queue.append(y.op)
+    positions = {}
+    while queue:
+        op = queue.popleft()
+        positions[op] = len(positions)
+        for t in op.inputs:
+            if t.op in between:
+                pending[t.op] -= 1
+                if not pending[t.op]:
+                    queue.append(t.op)
+    return positions
 
 
 def differentiated_once(region, checkpoints):
@@ -435,6 +518,7 @@ class _Rewrite:
         # the size of the variable per read until the end of the backward pass,
         # and an unrolled RNN reads its weights once per step.
         self.aliases = _x_reads(region, self.leaf_xs)
+        self.positions = _backward_positions(region)
         self.checkpoints = [t for t in checkpoints if t.ref() not in self.aliases]
         self.stop = {t.ref(): t for t in self.checkpoints}
         # tf.gradients differentiates a function call even when its output is in
@@ -548,13 +632,15 @@ class _Rewrite:
         levels that recompute nothing, see :func:`_segment_groups`):
         differentiate those with a running sum, through the others."""
         group = [ref.deref() for ref in refs]
-        # The newest first, as tf.gradients meets two lookups of one table
-        # on a chain going back from the ys: the variable's rows then come
-        # in plain's order there (a helper found them swapped). Its queue's
-        # order in general, and the order across segments, is not
-        # reproduced (see guarantees.md).
+        # In the order plain backprop takes their ops (see
+        # _backward_positions), as the call then takes them: sparse rows
+        # that two of them send one variable (two lookups of one table)
+        # come in plain's order (a helper found them swapped). Others
+        # newest first.
+        positions = self.positions
         active = sorted((t for t in group if self.d_cp.total(t) is not None),
-                        key=lambda t: (tf_internal.op_id(t.op), t.value_index), reverse=True)
+                        key=lambda t: (positions.get(t.op, math.inf), -tf_internal.op_id(t.op),
+                                       -t.value_index))
         # Under offloading or XLA nothing merges (see merge_info): a level's
         # checkpoints are independent, and only those with a sum are read.
         through = group if self.swapper is None and not self.barriers else ()
@@ -583,8 +669,9 @@ class _Rewrite:
             self.swapper.used(swapped)
         for t, g in zip(owners, grads_out):
             self.d_cp.add(t, g)
-        for t, g in zip(asked_x, grads_out[len(owners):]):
-            self.d_xs.add(t, g)
+        for t, g, at in zip(asked_x, grads_out[len(owners):],
+                            self._reached_at(asked_x, copies, reads, boundary)):
+            self.d_xs.add(t, g, at)
         for t, g in zip(passed, grads_out[len(owners) + len(asked_x):]):
             self.d_passed.add(t, g)
         logger.debug("memsave: segment %d copied %d ops, asked %d checkpoint read(s) and "
@@ -642,6 +729,23 @@ class _Rewrite:
         asked = reads.refs | {self.aliases[ref].ref() for ref in reads.refs if ref in self.aliases}
         in_boundary = {id(b) for b in boundary}
         return [x for x, ref in self.leaf_refs if ref in asked or id(x) in in_boundary]
+
+    def _reached_at(self, xs, copies, reads, boundary):
+        """Per x in ``xs``, the earliest position (see :func:`_backward_positions`)
+        of the segment's ops that read it, directly or through a kept read of
+        it: where its sparse rows go among the other segments' (None: no op
+        of the segment reads it)."""
+        wanted = {x.ref() for x in xs}
+        found = {}
+        for op in itertools.chain(copies.of, reads.in_place, (t.op for t in boundary)):
+            at = self.positions.get(op)
+            if at is None:
+                continue
+            for t in op.inputs:
+                ref = self.aliases[t.ref()].ref() if t.ref() in self.aliases else t.ref()
+                if ref in wanted and at < found.get(ref, math.inf):
+                    found[ref] = at
+        return [found.get(x.ref()) for x in xs]
 
     def _xs_passed_in_place(self, reads, boundary):
         """The xs among the checkpoints that a function call differentiated in

@@ -1088,6 +1088,62 @@ def test_an_embeddings_gradient_has_plains_rows(strategy, mode, lookup):
     assert _worst([rows[0]] + plain[1:], [rows[1]] + ours[1:]) <= 1e-12
 
 
+def _two_lookups(table, ws, where):
+    """One table looked up twice, the older lookup's gradient reached later
+    by plain backprop (``where='segments'``: an encoder's and a decoder's
+    token embedding, as in T5, the two in different segments), or earlier
+    (``'one call'``: two reads of the variable itself, never recomputed,
+    differentiated in one call); returns (loss, xs, checkpoints)."""
+    c = tf.constant(np.random.RandomState(5).randn(5, 6))
+    ids_a, ids_b = tf.constant([0, 1, 2, 3, 4]), tf.constant([7, 8, 9, 10, 11])
+    if where == "segments":
+        a = tf.gather(table.value(), ids_a)
+        p = tf.tanh(c @ ws[0])
+        h1 = tf.tanh(a @ ws[1] + p)
+        h2 = tf.tanh(h1 @ ws[2])
+        h3 = tf.tanh(h2 @ ws[3])
+        b = tf.gather(table.value(), ids_b)
+        d = tf.tanh(tf.tanh(b @ ws[4] + h3) @ ws[5])
+        return tf.reduce_sum(d * d), [table] + ws, [p, h1, h2, b]
+    a = tf.gather(table, ids_a)
+    b = tf.gather(table, ids_b)
+    h = b
+    for w in ws[:4]:
+        h = tf.tanh(h @ w)
+    return tf.reduce_sum(h * h) + tf.reduce_sum(a * tf.tanh(c)), [table] + ws[:4], [h]
+
+
+@pytest.mark.parametrize("where", ["segments", "one call"])
+@pytest.mark.parametrize("mode", sorted(RUNNERS))
+def test_a_tables_rows_come_in_plains_order(mode, where):
+    # A table read by two lookups: plain concatenates their rows in the
+    # order its backward queue takes the lookups; memsave concatenated them
+    # in the order its segments ran (the decoder's token embedding of a
+    # keras-hub T5, kept, after the encoder's), or the newest first within
+    # one call (two reads of the variable itself, a helper's fuzzed graph):
+    # the same sum, but an optimizer adds the rows of one id in another order.
+    make = _weights(21, (12, 6), *[(6, 6)] * 6)
+
+    def both(vs):
+        loss, xs, listed = _two_lookups(vs[0], vs[1:], where)
+        return tf.gradients(loss, xs), memsave.gradients(loss, xs, checkpoints=listed,
+                                                         min_checkpoint_size=0)
+
+    if mode == "session":
+        with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+            graphs = both(make())
+            sess.run(tf.compat.v1.global_variables_initializer())
+            plain, ours = sess.run(graphs)
+    else:
+        vs = make()
+        plain, ours = tf.function(lambda: both(vs))()
+    for grads in (plain, ours):
+        grads[0] = tf.IndexedSlices(np.asarray(grads[0].values), np.asarray(grads[0].indices))
+    np.testing.assert_array_equal(ours[0].indices, plain[0].indices)
+    assert _worst([plain[0].values] + [np.asarray(g) for g in plain[1:]],
+                  [ours[0].values] + [np.asarray(g) for g in ours[1:]]) <= 1e-12
+
+
 @pytest.mark.parametrize("lookup", ["gather", "sparse_segment_sum"])
 def test_the_audit_catches_sparse_rows_given_per_segment(monkeypatch, lookup):
     """Without keeping the lookup, the audit refuses the rewrite."""
