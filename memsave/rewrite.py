@@ -172,9 +172,11 @@ def _backward_positions(region):
     ys (reached from the xs through differentiable tensors, and reaching
     the ys), each taken once every such op that reads it was, first come
     first served (a queue; the tape's is one too). A variable read by
-    several lookups gets their rows concatenated in this order. The ops
-    TensorFlow walks here are not the region's: a stop_gradient between the
-    two is one of them, and the order it holds an op back must be kept."""
+    several lookups gets their rows concatenated in this order. The walk is
+    TensorFlow's, not the region's: on a fuzzed graph the region held ten
+    ops more (a cond, a comparison, ops no x reaches through differentiable
+    tensors), and each op the queue takes or waits on moves the others
+    (walked on the region, the fuzzed graph's two lookups came swapped)."""
     reached, queue = set(), collections.deque(x.op for x in region.xs)
     per_dtype = {}   # a variant's (a TensorList's) depends on what it holds
     while queue:
