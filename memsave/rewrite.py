@@ -174,9 +174,9 @@ def _backward_positions(region):
     first served (a queue; the tape's is one too). A variable read by
     several lookups gets their rows concatenated in this order. The walk is
     TensorFlow's, not the region's: on a fuzzed graph the region held ten
-    ops more (a cond, a comparison, ops no x reaches through differentiable
-    tensors), and each op the queue takes or waits on moves the others
-    (walked on the region, the fuzzed graph's two lookups came swapped)."""
+    ops that TensorFlow's walk does not (a cond and a comparison among
+    them), and each op the queue takes or waits on moves the others (walked
+    on the region, that graph's two lookups came swapped)."""
     reached, queue = set(), collections.deque(x.op for x in region.xs)
     per_dtype = {}   # a variant's (a TensorList's) depends on what it holds
     while queue:
