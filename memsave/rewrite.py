@@ -171,7 +171,8 @@ def _backward_positions(region):
     ``region``'s graph going back from its ys: its ops between the xs and the
     ys (reached from the xs through differentiable tensors, and reaching
     the ys), each taken once every such op that reads it was, first come
-    first served (a queue; the tape's is one too). A variable read by
+    first served (a queue; the tape's is one too, over the ops reached from
+    every variable it watched, sources or not). A variable read by
     several lookups gets their rows concatenated in this order. The walk is
     TensorFlow's, not the region's: on a fuzzed graph the region held ten
     ops that TensorFlow's walk does not (a cond and a comparison among
