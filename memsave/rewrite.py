@@ -178,20 +178,8 @@ def _backward_positions(region):
     ops that TensorFlow's walk does not (a cond and a comparison among
     them), and each op the queue takes or waits on moves the others (walked
     on the region, that graph's two lookups came swapped)."""
-    reached, queue = set(), collections.deque(x.op for x in region.xs)
-    per_dtype = {}   # a variant's (a TensorList's) depends on what it holds
-    while queue:
-        op = queue.popleft()
-        if op not in reached:
-            reached.add(op)
-            for out in op.outputs:
-                trainable = per_dtype.get(out.dtype)
-                if trainable is None:
-                    trainable = tf_internal.is_trainable(out)
-                    if out.dtype != tf.variant:
-                        per_dtype[out.dtype] = trainable
-                if trainable:
-                    queue.extend(out.consumers())
+    reached = set()
+    tf_internal.mark_reached_ops([x.op for x in region.xs], reached, [])
     between, queue = set(), collections.deque(y.op for y in region.ys)
     while queue:
         op = queue.popleft()
