@@ -178,8 +178,16 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **options):
 
 
 @tf.autograph.experimental.do_not_convert
-def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kwargs):
-    """:func:`gradients` with resolved :class:`~memsave.settings.Settings` (tapes, patch)."""
+def differentiate(ys, xs, grad_ys, settings, name="gradients", stops_hold=False,
+                  **tf_gradients_kwargs):
+    """:func:`gradients` with resolved :class:`~memsave.settings.Settings` (tapes, patch).
+
+    ``stops_hold`` (the tape's: a tensor it did not record is a constant):
+    no gradient passes a tensor of ``stop_gradients``, not even into a
+    function call, which ``tf.gradients`` differentiates where it makes a
+    stop (see :func:`memsave.rewrite.plain_gradients`). It goes with the
+    ``tf.gradients`` keywords to every gradient call, and to the audit.
+    """
     ys, xs, grad_ys = _as_ys(ys), _as_list(xs), _as_list(grad_ys)
     tf_gradients_kwargs = _tf_gradients_options(tf_gradients_kwargs)
     if not ys or not xs:
@@ -187,6 +195,8 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", **tf_gradients_kw
         # terms): what tf.gradients gives, [] or one None (or zeros) per x.
         return tf_internal.gradients_helper(ys or [], xs or [], grad_ys, name=name,
                                             **tf_gradients_kwargs)
+    if stops_hold:
+        tf_gradients_kwargs["stops_hold"] = True
     graph = _validate(ys, xs, grad_ys)
     compiled = compiled_by_xla(settings.xla, graph)
     if compiled:
@@ -281,7 +291,7 @@ def _rewritten(region, chosen, settings, grad_ys, compiled, name, tf_gradients_k
         swap = SwapConfig(tuple(graph.get_tensor_by_name(n) for n in chosen.offloaded),
                           model.host_device, model.swapin_ahead, model.swapin_groupby)
         _say_if_offloading_is_a_no_op(swap)
-    ledger = audit.Ledger(graph)
+    ledger = audit.Ledger(graph, stops_hold=tf_gradients_kwargs.get("stops_hold", False))
     _rewriting.depth = getattr(_rewriting, "depth", 0) + 1
     try:
         grads = rewrite(region, kept, ledger, grad_ys=grad_ys, name=name, swap=swap,

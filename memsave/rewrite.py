@@ -48,13 +48,27 @@ SMALL_PART = 256
 MERGED_PART = 16
 
 
-def plain_gradients(ys, xs, grad_ys=None, skip=None, prunable=None, **kwargs):
+def plain_gradients(ys, xs, grad_ys=None, skip=None, prunable=None, stops_hold=False,
+                    **kwargs):
     """TensorFlow's own gradients, called below every patch point (``skip``:
     ops no ancestor of ``ys`` is among; ``prunable``: the caller's own ops,
     whose unneeded input gradients are left out; see
-    :func:`tf_internal.fast_reachability`)."""
+    :func:`tf_internal.fast_reachability`).
+
+    ``stops_hold``: no gradient passes a tensor of ``stop_gradients``, as
+    for the tape, where one it did not record is a constant. tf.gradients
+    stops at such a tensor's op, except at a function call, which it
+    differentiates anyway (its SymbolicGradient): the call's gradient
+    reached the sources (a call on a watched tensor made before the tape),
+    or failed at run time (a call reading a variable). With ``stops_hold``
+    its walk does not enter such calls, and they are not differentiated.
+    """
     graph = ys[0].graph
-    with tf_internal.mutation_lock(graph), tf_internal.fast_reachability(skip, prunable):
+    barred = None
+    if stops_hold:
+        barred = {t.op for t in kwargs.get("stop_gradients") or ()
+                  if tf_internal.is_function_call(t.op)}
+    with tf_internal.mutation_lock(graph), tf_internal.fast_reachability(skip, prunable, barred):
         return tf_internal.gradients_helper(ys, xs, grad_ys, **kwargs)
 
 

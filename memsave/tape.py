@@ -492,7 +492,8 @@ def _differentiate(call, settings):
         return [None] * len(call.xs)
     kwargs = {"stop_gradients": call.stops} if call.stops else {}
     try:
-        grads = api.differentiate(call.ys, call.xs, call.grad_ys, settings, **kwargs)
+        grads = api.differentiate(call.ys, call.xs, call.grad_ys, settings, stops_hold=True,
+                                  **kwargs)
     except NoBottleneckError as e:
         raise TapeNoBottleneckError(
             "%s (from GradientTape.gradient; pass checkpoints='optimal' to "

@@ -509,18 +509,19 @@ def release_tape(tape):
 def _mark_reached_ops(from_ops, reached_ops, func_graphs):
     """``_MarkReachedOps`` with captures looked up once per call, trainability
     once per dtype (a variant still asks per tensor), the ops of
-    :func:`fast_reachability`'s ``skip`` not entered, and its ``prunable``
-    ops told which inputs need no gradient."""
+    :func:`fast_reachability`'s ``skip`` and ``barred`` not entered, and its
+    ``prunable`` ops told which inputs need no gradient."""
     captured = {id(outer) for func in func_graphs for outer, _ in func.captures}
     graph, lo, hi = _local_skip.__dict__.pop("skip", None) or (None, 0, 0)
     prunable = _local_skip.__dict__.pop("prunable", None)
+    barred = _local_skip.__dict__.pop("barred", None) or ()
     per_dtype = {}
     queue = collections.deque(from_ops)
     starts = set(from_ops)
     while queue:
         op = queue.popleft()
         if op in reached_ops or (lo <= op._id < hi and op.graph is graph  # pylint: disable=protected-access
-                                 and op not in starts):
+                                 and op not in starts) or (op in barred and op not in starts):
             continue
         reached_ops.add(op)
         for output in op.outputs:
@@ -579,7 +580,7 @@ _local_skip = threading.local()
 
 
 @contextlib.contextmanager
-def fast_reachability(skip=None, prunable=None):
+def fast_reachability(skip=None, prunable=None, barred=None):
     """Within the block, tf.gradients walks with :func:`_mark_reached_ops`
     (on every thread: the answer is TF's own, so other callers only gain).
 
@@ -591,6 +592,9 @@ def fast_reachability(skip=None, prunable=None):
     walk on this thread, skip the inputs no gradient is asked of (see
     :func:`_skip_unreached_inputs`). The caller made them for that call, so
     no other thread differentiates them meanwhile.
+    ``barred``: ops that the next walk on this thread does not enter, so
+    that call neither differentiates them nor what it reaches only through
+    them (see :func:`memsave.rewrite.plain_gradients`' ``stops_hold``).
     """
     with _reach_lock:
         if not _reach_users[0]:
@@ -598,11 +602,13 @@ def fast_reachability(skip=None, prunable=None):
         _reach_users[0] += 1
     _local_skip.skip = skip
     _local_skip.prunable = prunable
+    _local_skip.barred = barred
     try:
         yield
     finally:
         _local_skip.__dict__.pop("skip", None)
         _local_skip.__dict__.pop("prunable", None)
+        _local_skip.__dict__.pop("barred", None)
         for op in _local_skip.__dict__.pop("marked", ()):
             del op.skip_input_indices
         with _reach_lock:

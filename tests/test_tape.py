@@ -239,6 +239,54 @@ def test_tape_semantics_outside_recording(rewrites):
     assert rewrites
 
 
+@pytest.mark.parametrize("strategy", ["optimal", "speed", "memory", []])
+@pytest.mark.parametrize("where", ["before", "stop_recording"])
+@pytest.mark.parametrize("reads", ["watched_tensor", "source_variable"])
+def test_a_function_call_the_tape_did_not_record_passes_no_gradient(strategy, where, reads,
+                                                                   rewrites):
+    """A nested tf.function called outside the recording (before the tape,
+    or under stop_recording) on a source, its output used inside: a
+    constant for the plain tape (a target the same weights computed, as in a
+    consistency loss). tf.gradients, told to stop at the call's output,
+    still differentiates the call (its SymbolicGradient): through a watched
+    tensor it sent the source a gradient the plain tape does not (1.9 off,
+    silently); reading a source variable, the SymbolicGradient failed at
+    run time (NotFoundError)."""
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable(rng.randn(8, 8) * 0.3) for _ in range(3)]
+    x0 = tf.constant(rng.randn(4, 8))
+
+    @tf.function
+    def target_of(h):
+        if reads == "source_variable":
+            h = tf.matmul(h, ws[0])
+        return tf.tanh(h) * 2.0
+
+    def step(make_tape):
+        @tf.function
+        def f(x0):
+            x = x0 * 1.0
+            if where == "before":
+                target = target_of(x)
+            with make_tape() as tape:
+                tape.watch(x)
+                if where == "stop_recording":
+                    with tape.stop_recording():
+                        target = target_of(x)
+                h = x
+                for w in ws:
+                    h = tf.tanh(tf.matmul(h, w)) + h
+                loss = tf.reduce_sum((h - target) ** 2) + tf.reduce_sum(x * x)
+            return tape.gradient(loss, [x, ws])
+        return f(x0)
+
+    plain = step(tf.GradientTape)
+    ours = step(lambda: memsave.GradientTape(checkpoints=strategy, fallback=False,
+                                             min_checkpoint_size=0))
+    assert rewrites
+    assert_same(plain, ours, atol=1e-12)
+
+
 def test_watch_accessed_variables_false(rewrites):
     ws, x = _variables(6, seed=6), _input()
 

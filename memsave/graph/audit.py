@@ -93,8 +93,11 @@ class _Call:
 class Ledger:
     """What a rewrite built, recorded as it happens (facts, not reasons)."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, stops_hold=False):
         self.graph = graph
+        # The gradient calls do not differentiate function calls that make a
+        # stop (see memsave.rewrite.plain_gradients), where TF would.
+        self.stops_hold = stops_hold
         self.first_new = next_op_id(graph)      # ids of ops made after this point
         self.copy_of = {}                       # copy op -> original op
         self.through = set()                    # identities memsave inserted
@@ -201,13 +204,16 @@ class _Flow:
     sends gradient to its inputs, for inputs that carry gradient and lie
     between xs and ys (or are xs), but not the other outputs of an op that
     makes an x and is not differentiated (:meth:`_stops`). ``sending`` is
-    the set of those ops.
+    the set of those ops. With ``stops_hold`` a function call making a stop
+    is not reached (see :func:`memsave.rewrite.plain_gradients`).
     """
 
-    def __init__(self, ys, xs, stops, limit):
+    def __init__(self, ys, xs, stops, limit, stops_hold=False):
         self.limit = limit
         self.xs = {x.ref() for x in xs}
         self._from = {x.op for x in xs}
+        self._barred = ({t.op for t in stops if tf_internal.is_function_call(t.op)} - self._from
+                        if stops_hold else set())
         self._reached = {}
         stop_ops = {t.op for t in stops}
         self.edges, self.sending, self.seeded = [], set(), []
@@ -273,8 +279,8 @@ class _Flow:
             if cur in memo:
                 stack.pop()
                 continue
-            if cur in self._from:
-                memo[cur] = True
+            if cur in self._from or cur in self._barred:
+                memo[cur] = cur in self._from
                 stack.pop()
                 continue
             # As tf.gradients marks ops reached: along tensors that carry a
@@ -332,7 +338,7 @@ def check(ledger, region, results, user_stops):
     """Raise GradientMismatchError unless the rewrite ``ledger`` recorded
     computes ``tf.gradients(region.ys, region.xs)``' gradients ``results``."""
     problems = list(ledger.problems)
-    plain = _Flow(region.ys, region.xs, user_stops, ledger.first_new)
+    plain = _Flow(region.ys, region.xs, user_stops, ledger.first_new, ledger.stops_hold)
     accounts = _Accounts()
     outputs = {}
     for call in ledger.calls:
@@ -448,7 +454,7 @@ def _compare(expected, got, where):
 
 
 def _account_call(call, ledger, accounts, outputs, problems):
-    flow = _Flow(call.ys, call.xs, call.stops, call.start)
+    flow = _Flow(call.ys, call.xs, call.stops, call.start, ledger.stops_hold)
     call.sending = flow.sending
     targets = {x.ref(): x for x in call.xs}
     for x, g in zip(call.xs, call.outputs):
