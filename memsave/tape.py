@@ -257,6 +257,8 @@ class _Call:
     stops: list = dataclasses.field(default_factory=list)
     # Per flat source: None (no gradient) or i (the gradient of xs[i]).
     routes: list = dataclasses.field(default_factory=list)
+    # Indices of the flat targets the tape does not track (see _seeds).
+    untracked: list = dataclasses.field(default_factory=list)
     connected: bool = False   # some y depends on some x
 
 
@@ -369,7 +371,8 @@ def _plan_call(tape, flat_targets, flat_raw, flat_xs, flat_grads):
     """Which targets, sources and constants give the plain tape's answer."""
     tracked = _tracked(tape, flat_targets)
     keep = [i for i, ok in enumerate(tracked) if ok]
-    call = _Call(ys=[flat_targets[i] for i in keep])
+    call = _Call(ys=[flat_targets[i] for i in keep],
+                 untracked=[i for i, ok in enumerate(tracked) if not ok])
     if flat_grads is not None and any(flat_grads[i] is not None for i in keep):
         call.grad_ys = [flat_grads[i] for i in keep]
     if any(y.dtype.is_complex for y in call.ys):
@@ -505,6 +508,22 @@ def _differentiate(call, settings):
             zip(grads, differentiably_connected(call.xs, call.ys, call.stops))]
 
 
+def _seeds(call, flat_targets, flat_xs, flat_grads, flat_grad):
+    """``flat_grad`` with the seed of each target the tape does not track
+    given to the source that is that very tensor (the tape seeds such a
+    target with its output gradient, or ones, and hands it to that source:
+    d z / d z; memsave asked nothing of either and had None)."""
+    out = list(flat_grad)
+    for j, (x, route) in enumerate(zip(flat_xs, call.routes)):
+        if route is not None or x is None or not _differentiable(x.dtype):
+            continue
+        seeds = [tf.ones_like(x) if flat_grads is None else flat_grads[i]
+                 for i in call.untracked if flat_targets[i] is x]
+        if seeds:
+            out[j] = seeds[0] if len(seeds) == 1 else tf.add_n(seeds)
+    return out
+
+
 # Plain Python graph rewriting: autograph must not convert it inside tf.function.
 @do_not_convert
 def tape_gradient(tape, settings, target, sources, output_gradients=None,
@@ -538,6 +557,8 @@ def tape_gradient(tape, settings, target, sources, output_gradients=None,
     flat_grad = []
     for route in call.routes:
         flat_grad.append(None if route is None else grads[route])
+    with graph.as_default():
+        flat_grad = _seeds(call, flat_targets, flat_xs, flat_grads, flat_grad)
     if unconnected == tf.UnconnectedGradients.ZERO:
         with graph.as_default():
             flat_grad = [_zeros_for(raw, x) if g is None else g

@@ -287,6 +287,36 @@ def test_a_function_call_the_tape_did_not_record_passes_no_gradient(strategy, wh
     assert_same(plain, ours, atol=1e-12)
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["ones", "output_gradients"])
+@pytest.mark.parametrize("where", ["stop_recording", "unwatched"])
+def test_a_target_the_tape_did_not_record_seeds_itself_as_a_source(given, where, rewrites):
+    """A target the tape does not track (made under stop_recording, or from
+    nothing it watched) that is also a source: the plain tape hands it its
+    own seed (ones, or its output gradient), d z / d z; memsave gave None
+    (found by tests/test_tape_fuzz.py)."""
+    ws, x = _variables(4, seed=3, scale=0.3), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f(x):
+            with make_tape() as tape:
+                loss = tf.reduce_sum(chain(ws, x) ** 2)
+                if where == "stop_recording":
+                    with tape.stop_recording():
+                        z = tf.tanh(tf.matmul(x, ws[0]))
+                else:
+                    z = tf.tanh(x * 2.0)
+            seeds = [tf.constant(0.5), tf.fill(z.shape, 3.0), tf.fill(z.shape, 2.0)]
+            return tape.gradient([loss, z, z], [ws, z],
+                                 output_gradients=seeds if given else None)
+        return f(x)
+
+    plain, ours = _both(step)
+    assert plain[1] is not None
+    assert_same(plain, ours)
+    assert rewrites
+
+
 def test_watch_accessed_variables_false(rewrites):
     ws, x = _variables(6, seed=6), _input()
 
