@@ -23,6 +23,7 @@ calls (some called twice), ``tf.custom_gradient``, ``Pow``/GELU (copies
 read through a gate) and float32 conv + bias_add + relu (what oneDNN fuses).
 """
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -384,8 +385,11 @@ def make_variables(tf, spec):
     return out
 
 
-def build(tf, spec, variables):
-    """Build the forward pass in the current graph.
+def build(tf, spec, variables, watch=None, around=None):
+    """Build the forward pass in the current graph (``watch``: called with the
+    inputs ``[h0, h1]`` as soon as they exist, e.g. a tape's ``watch``;
+    ``around``: called with each op's index in ``spec.ops``, a context
+    manager to build it in, or None).
 
     Returns a dict: ``ys``, ``grad_ys`` (list or None), ``xs`` (tensors or
     variables), ``checkpoints`` (tensors), ``tensors`` (name -> tensor, every
@@ -402,11 +406,14 @@ def build(tf, spec, variables):
 
     pool.append(rec("h0", tf.constant(rng.randn(B, W).astype(np.float32), name="h0")))
     pool.append(rec("h1", tf.constant(rng.randn(B, W).astype(np.float32), name="h1")))
+    if watch is not None:
+        watch(list(pool))
 
     for _, (op, index, new_var, inter, h) in _walk(spec):
         kind = op[0]
         at = lambda off: pool[index - 1 - off]  # noqa: E731
-        with tf.name_scope(h):
+        context = around(index - 2) if around is not None else None
+        with tf.name_scope(h), context or contextlib.nullcontext():
             if kind == "matmul":
                 out = tf.matmul(at(op[1]), variables[new_var[0]])
             elif kind == "unary":
