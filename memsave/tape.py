@@ -16,14 +16,19 @@ tensors it tracks:
 
 * targets the tape does not track (computed outside the ``with`` block, in
   ``stop_recording()``, or not depending on anything watched) get no
-  gradient, as with the plain tape;
+  gradient, as with the plain tape, except that one which is also a source
+  hands that source its own seed (its output gradient, or ones), as the
+  plain tape does;
 * sources the tape does not track (unwatched tensors, variables not watched
   or not read while recording) get ``None`` (or zeros with
   ``unconnected_gradients=ZERO``);
 * tensors between sources and targets that the tape does not track (built
   outside the recording, or not watched when their consumer was recorded)
   are passed to ``memsave.gradients`` as ``stop_gradients``, i.e. treated
-  as constants, which is what the plain tape does with them;
+  as constants, which is what the plain tape does with them, also where
+  one is made by a function call (``tf.gradients`` differentiates a call
+  whose output it stops at; for the tape, memsave's gradient calls do not,
+  see :func:`memsave.rewrite.plain_gradients`' ``stops_hold``);
 * a tensor watched where this tape did not track it (made before it
   began, under a tape around it, or in its ``stop_recording()``) is a leaf,
   which the walk stops at; watching one it tracks changes nothing (see
