@@ -518,12 +518,18 @@ def _mark_reached_ops(from_ops, reached_ops, func_graphs):
     per_dtype = {}
     queue = collections.deque(from_ops)
     starts = set(from_ops)
+    passed = set()   # barred ops of xs, walked through (see fast_reachability)
     while queue:
         op = queue.popleft()
-        if op in reached_ops or (lo <= op._id < hi and op.graph is graph  # pylint: disable=protected-access
-                                 and op not in starts) or (op in barred and op not in starts):
+        if op in reached_ops or op in passed or (lo <= op._id < hi and op.graph is graph  # pylint: disable=protected-access
+                                                 and op not in starts):
             continue
-        reached_ops.add(op)
+        if op in barred:
+            if op not in starts:
+                continue
+            passed.add(op)   # an x's op: its consumers are reached, it is not
+        else:
+            reached_ops.add(op)
         for output in op.outputs:
             dtype = output.dtype
             trainable = per_dtype.get(dtype)
@@ -594,7 +600,8 @@ def fast_reachability(skip=None, prunable=None, barred=None):
     no other thread differentiates them meanwhile.
     ``barred``: ops that the next walk on this thread does not enter, so
     that call neither differentiates them nor what it reaches only through
-    them (see :func:`memsave.rewrite.plain_gradients`' ``stops_hold``).
+    them (see :func:`memsave.rewrite.plain_gradients`' ``stops_hold``); one
+    that makes an x is left out of the reached ops, its consumers not.
     """
     with _reach_lock:
         if not _reach_users[0]:

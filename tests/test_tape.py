@@ -241,7 +241,7 @@ def test_tape_semantics_outside_recording(rewrites):
 
 @pytest.mark.parametrize("strategy", ["optimal", "speed", "memory", []])
 @pytest.mark.parametrize("where", ["before", "stop_recording"])
-@pytest.mark.parametrize("reads", ["watched_tensor", "source_variable"])
+@pytest.mark.parametrize("reads", ["watched_tensor", "source_variable", "output_watched"])
 def test_a_function_call_the_tape_did_not_record_passes_no_gradient(strategy, where, reads,
                                                                    rewrites):
     """A nested tf.function called outside the recording (before the tape,
@@ -251,14 +251,15 @@ def test_a_function_call_the_tape_did_not_record_passes_no_gradient(strategy, wh
     still differentiates the call (its SymbolicGradient): through a watched
     tensor it sent the source a gradient the plain tape does not (1.9 off,
     silently); reading a source variable, the SymbolicGradient failed at
-    run time (NotFoundError)."""
+    run time (NotFoundError). Its output watched and a source too (a leaf:
+    the call's own op makes an x), the audit refused the rewrite."""
     rng = np.random.RandomState(0)
     ws = [tf.Variable(rng.randn(8, 8) * 0.3) for _ in range(3)]
     x0 = tf.constant(rng.randn(4, 8))
 
     @tf.function
     def target_of(h):
-        if reads == "source_variable":
+        if reads != "watched_tensor":
             h = tf.matmul(h, ws[0])
         return tf.tanh(h) * 2.0
 
@@ -273,11 +274,13 @@ def test_a_function_call_the_tape_did_not_record_passes_no_gradient(strategy, wh
                 if where == "stop_recording":
                     with tape.stop_recording():
                         target = target_of(x)
+                if reads == "output_watched":
+                    tape.watch(target)
                 h = x
                 for w in ws:
                     h = tf.tanh(tf.matmul(h, w)) + h
                 loss = tf.reduce_sum((h - target) ** 2) + tf.reduce_sum(x * x)
-            return tape.gradient(loss, [x, ws])
+            return tape.gradient(loss, [x, ws] + ([target] if reads == "output_watched" else []))
         return f(x0)
 
     plain = step(tf.GradientTape)

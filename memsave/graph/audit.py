@@ -205,14 +205,15 @@ class _Flow:
     between xs and ys (or are xs), but not the other outputs of an op that
     makes an x and is not differentiated (:meth:`_stops`). ``sending`` is
     the set of those ops. With ``stops_hold`` a function call making a stop
-    is not reached (see :func:`memsave.rewrite.plain_gradients`).
+    is not differentiated, nor reached unless it makes an x (see
+    :func:`memsave.rewrite.plain_gradients`).
     """
 
     def __init__(self, ys, xs, stops, limit, stops_hold=False):
         self.limit = limit
         self.xs = {x.ref() for x in xs}
         self._from = {x.op for x in xs}
-        self._barred = ({t.op for t in stops if tf_internal.is_function_call(t.op)} - self._from
+        self._barred = ({t.op for t in stops if tf_internal.is_function_call(t.op)}
                         if stops_hold else set())
         self._reached = {}
         stop_ops = {t.op for t in stops}
@@ -226,6 +227,8 @@ class _Flow:
             self.seeded.append(self.reached(y.op))
         while heap:
             _, op = heapq.heappop(heap)
+            if op in self._barred:
+                continue   # an x's op, reached but not differentiated
             stopped = op in stop_ops or self._stops(op)
             if not (tf_internal.is_function_call(op) or (not stopped and _has_gradient(op))):
                 continue
