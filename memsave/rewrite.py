@@ -61,7 +61,8 @@ def plain_gradients(ys, xs, grad_ys=None, skip=None, prunable=None, stops_hold=F
     differentiates anyway (its SymbolicGradient): the call's gradient
     reached the sources (a call on a watched tensor made before the tape),
     or failed at run time (a call reading a variable). With ``stops_hold``
-    its walk does not enter such calls, and they are not differentiated.
+    its walk does not enter such calls (one making an x it walks through:
+    its consumers are reached), and they are not differentiated.
     """
     graph = ys[0].graph
     barred = None
