@@ -180,14 +180,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **options):
 @tf.autograph.experimental.do_not_convert
 def differentiate(ys, xs, grad_ys, settings, name="gradients", stops_hold=False,
                   **tf_gradients_kwargs):
-    """:func:`gradients` with resolved :class:`~memsave.settings.Settings` (tapes, patch).
-
-    ``stops_hold`` (the tape's: a tensor it did not record is a constant):
-    no gradient passes a tensor of ``stop_gradients``, not even into a
-    function call, which ``tf.gradients`` differentiates where it makes a
-    stop (see :func:`memsave.rewrite.plain_gradients`). It goes with the
-    ``tf.gradients`` keywords to every gradient call, and to the audit.
-    """
+    """:func:`gradients` with resolved :class:`~memsave.settings.Settings` (tapes, patch);
+    ``stops_hold`` (the tape's) goes to every gradient call (see :func:`plain_gradients`)."""
     ys, xs, grad_ys = _as_ys(ys), _as_list(xs), _as_list(grad_ys)
     tf_gradients_kwargs = _tf_gradients_options(tf_gradients_kwargs)
     if not ys or not xs:

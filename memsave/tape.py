@@ -513,20 +513,39 @@ def _differentiate(call, settings):
             zip(grads, differentiably_connected(call.xs, call.ys, call.stops))]
 
 
-def _seeds(call, flat_targets, flat_xs, flat_grads, flat_grad):
+def _seeds(tape, call, flat_targets, flat_xs, flat_grads, flat_grad):
     """``flat_grad`` with the seed of each target the tape does not track
-    given to the source that is that very tensor (the tape seeds such a
-    target with its output gradient, or ones, and hands it to that source:
-    d z / d z; memsave asked nothing of either and had None)."""
-    out = list(flat_grad)
+    given to the source that is that very tensor, where the plain tape keeps
+    it: it seeds such a target with its output gradient, or ones, and hands
+    that to the source (d z / d z; memsave had None), unless an op it
+    recorded on the way back from the targets reads the tensor (then what
+    arrived there, the seed too, is dropped once that op is differentiated,
+    and the source gets None)."""
+    out, recorded = list(flat_grad), None
     for j, (x, route) in enumerate(zip(flat_xs, call.routes)):
         if route is not None or x is None or not _differentiable(x.dtype):
             continue
         seeds = [tf.ones_like(x) if flat_grads is None else flat_grads[i]
                  for i in call.untracked if flat_targets[i] is x]
-        if seeds:
+        if not seeds:
+            continue
+        if recorded is None:
+            recorded = _recorded_behind(tape, call.ys)
+        if not any(c in recorded for c in x.consumers()):
             out[j] = seeds[0] if len(seeds) == 1 else tf.add_n(seeds)
     return out
+
+
+def _recorded_behind(tape, ys):
+    """The ops the plain tape differentiates going back from ``ys``: their
+    producers, and those of the tensors it tracks that they read."""
+    ops, frontier = set(), list(ys)
+    while frontier:
+        fresh = {t.op: None for t in frontier if t.op not in ops}
+        ops.update(fresh)
+        inputs = [t for op in fresh for t in op.inputs]
+        frontier = [t for t, ok in zip(inputs, _tracked(tape, inputs)) if ok]
+    return ops
 
 
 # Plain Python graph rewriting: autograph must not convert it inside tf.function.
@@ -563,7 +582,7 @@ def tape_gradient(tape, settings, target, sources, output_gradients=None,
     for route in call.routes:
         flat_grad.append(None if route is None else grads[route])
     with graph.as_default():
-        flat_grad = _seeds(call, flat_targets, flat_xs, flat_grads, flat_grad)
+        flat_grad = _seeds(tape, call, flat_targets, flat_xs, flat_grads, flat_grad)
     if unconnected == tf.UnconnectedGradients.ZERO:
         with graph.as_default():
             flat_grad = [_zeros_for(raw, x) if g is None else g
