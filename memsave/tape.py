@@ -17,8 +17,8 @@ tensors it tracks:
 * targets the tape does not track (computed outside the ``with`` block, in
   ``stop_recording()``, or not depending on anything watched) get no
   gradient, as with the plain tape, except that one which is also a source
-  hands that source its own seed (its output gradient, or ones), as the
-  plain tape does;
+  hands that source its own seed (its output gradient, or ones) where no op
+  the tape recorded on the way reads it, as the plain tape does;
 * sources the tape does not track (unwatched tensors, variables not watched
   or not read while recording) get ``None`` (or zeros with
   ``unconnected_gradients=ZERO``);
