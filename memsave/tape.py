@@ -583,8 +583,7 @@ def tape_gradient(tape, settings, target, sources, output_gradients=None,
         flat_grad.append(None if route is None else grads[route])
     with graph.as_default():
         flat_grad = _seeds(tape, call, flat_targets, flat_xs, flat_grads, flat_grad)
-    if unconnected == tf.UnconnectedGradients.ZERO:
-        with graph.as_default():
+        if unconnected == tf.UnconnectedGradients.ZERO:
             flat_grad = [_zeros_for(raw, x) if g is None else g
                          for g, raw, x in zip(flat_grad, flat_raw, flat_xs)]
 

@@ -521,8 +521,8 @@ def _mark_reached_ops(from_ops, reached_ops, func_graphs):
     passed = set()   # barred ops of xs, walked through (see fast_reachability)
     while queue:
         op = queue.popleft()
-        skipped = lo <= op._id < hi and op.graph is graph and op not in starts  # pylint: disable=protected-access
-        if op in reached_ops or op in passed or skipped:
+        if op in reached_ops or op in passed or (lo <= op._id < hi and op.graph is graph  # pylint: disable=protected-access
+                                                 and op not in starts):
             continue
         if op in barred:
             if op not in starts:

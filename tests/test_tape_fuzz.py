@@ -15,8 +15,9 @@ the same forward pass under each tape in its own ``tf.function``, and asks
 both for the gradients: same ``None`` pattern, ``IndexedSlices`` where the
 plain tape gives them, and values within ``RTOL`` of the largest entry of
 the gradient (float32). Every strategy runs with ``fallback=False``, so the
-rewrite runs even where it saves nothing; a call the tape documents as one
-it hands to the plain tape is counted, and must stay a minority.
+rewrite runs even where it saves nothing; at least a third of the examples
+must be rewritten (the others: no x reaches a y, or nothing to keep), and
+those memsave documents as handed to the plain tape a minority.
 """
 
 import collections

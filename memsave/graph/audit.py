@@ -410,8 +410,8 @@ def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
         return tokens - accounts.vanished
 
     memos = {}, {}
-    feeds_an_x = _feeding_an_x(plain, region.xs)
     x_refs = {x.ref() for x in region.xs}
+    feeds_an_x = _feeding_an_x(plain, x_refs)
     for op in plain.sending:
         got = collections.Counter()
         problems.extend(_differentiated_in_parts(op, differentiations.get(op, ()), memos))
@@ -439,7 +439,7 @@ def _paths_counted_once(plain, region, results, ledger, accounts, outputs):
     return problems
 
 
-def _feeding_an_x(plain, xs):
+def _feeding_an_x(plain, x_refs):
     """Per op plain backprop differentiates: whether what it sends can reach
     an x's result. Where not (it ends at the other outputs of a split that
     makes an x, which tf.gradients does not differentiate), a gradient
@@ -449,7 +449,6 @@ def _feeding_an_x(plain, xs):
     into = collections.defaultdict(list)
     for t, op, _ in plain.edges:
         into[op].append(t)
-    x_refs = {x.ref() for x in xs}
     feeds = {}
     for op in sorted(plain.sending, key=tf_internal.op_id):   # inputs first
         feeds[op] = any(t.ref() in x_refs or feeds.get(t.op, False) for t in into[op])
