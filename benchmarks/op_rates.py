@@ -43,6 +43,10 @@ def _cases(quick):
     channels = image[-1]
     tokens = [2, t, 768 if not quick else 128]
     heads = [2, 12 if not quick else 2, t, 64]
+    # ConvNeXtTiny's first grouped (depthwise) 7x7 convolution, compiled with
+    # XLA as Keras compiles it on a CPU, whose kernels cannot group.
+    grouped = [8, 32, 32, 96] if not quick else [4, 16, 16, 32]
+    grouped_conv = tf.function(lambda x, w: tf.nn.conv2d(x, w, 1, "SAME"), jit_compile=True)
     return [
         (REFERENCE, lambda x, w: tf.nn.conv2d(x, w, 1, "SAME"),
          [image, [3, 3, channels, channels]]),
@@ -56,6 +60,7 @@ def _cases(quick):
         ("layer-norm moments (last axis)", lambda x: tf.nn.moments(x, [-1], keepdims=True), [tokens]),
         ("softmax (last axis)", tf.nn.softmax, [heads[:3] + [t]]),
         ("GELU (tanh)", lambda x: tf.nn.gelu(x, approximate=True), [tokens[:2] + [4 * tokens[2]]]),
+        ("grouped conv 7x7 (XLA-compiled)", grouped_conv, [grouped, [7, 7, 1, grouped[-1]]]),
     ]
 
 

@@ -228,7 +228,7 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", stops_hold=False,
                 "tf.gradients is used for this call"))
             return plain()
         with _collector_paused():
-            region = analyze(ys, xs, compiled)
+            region = analyze(ys, xs, compiled, settings.bounds_time)
             if not region.ops:
                 logger.warning("memsave: none of the ys depends on the xs; gradients are None")
                 return plain()
@@ -423,7 +423,7 @@ def plan(ys, xs, *, checkpoints="optimal", **options):
     graph = _validate(ys, xs, None)
     compiled = compiled_by_xla(settings.xla, graph)
     with graph.as_default():
-        region = analyze(ys, _resolve_xs(xs, graph), compiled)
+        region = analyze(ys, _resolve_xs(xs, graph), compiled, settings.bounds_time)
         if not region.ops:
             # As memsave.gradients: nothing to differentiate, so nothing to keep.
             return Plan(settings.checkpoints.label, [], notes=["none of the ys depends on the xs"])

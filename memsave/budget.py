@@ -116,7 +116,7 @@ from memsave import profile, tf_internal
 from memsave.errors import BudgetError
 from memsave.log import size_text, warn_once
 from memsave.planning import registry
-from memsave.planning.simulate import simulate_peak
+from memsave.planning.simulate import plain_peak, simulate_peak
 
 logger = logging.getLogger("memsave")
 
@@ -365,7 +365,7 @@ class Loop:
         rewrites measured 0.92-1.22 times their estimates, plain 1.3 times; a
         replan that fell back to plain measured 22% over a budget). So a
         replan stays a rewrite unless plain itself was measured."""
-        return simulate_peak(graph, ()) - 1
+        return plain_peak(graph) - 1
 
     def fits(self, spread, lowest=False):
         """The most a plan's largest measured call may be: :data:`AIM` of the

@@ -85,6 +85,12 @@ class Settings:
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
+    @property
+    def bounds_time(self):
+        """Whether the caller bounds the step's time: a ``max_recompute`` cap or
+        the 'speed' strategy (see :func:`memsave.graph.region.pinned_on_cpu`)."""
+        return self.max_recompute is not None or self.checkpoints.label == "speed"
+
     def strategy_options(self):
         """The options a planning-graph strategy may take (see memsave.planning.registry)."""
         return dict(budget=self.budget, max_recompute=self.max_recompute,

@@ -333,10 +333,11 @@ def _names(reads):
 
 
 
-def _grouped_conv_step(checkpoints="optimal", channels=256, calls=2):
+def _grouped_conv_step(checkpoints="optimal", channels=256, calls=2, **options):
     """A step through ``calls`` grouped 7x7 convolutions (``channels`` wide, 4x4,
     batch 4), which Keras compiles with XLA on a CPU, each followed by a
-    dense layer; and what its trace found (the plan)."""
+    dense layer; and what its trace found (the plan). ``checkpoints`` None:
+    the plain tape."""
     import keras   # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(0)
     layers = [keras.Input((4, 4, channels))]
@@ -349,9 +350,12 @@ def _grouped_conv_step(checkpoints="optimal", channels=256, calls=2):
 
     @tf.function
     def step():
-        with memsave.GradientTape(checkpoints=checkpoints) as tape:
+        with (tf.GradientTape() if checkpoints is None else
+              memsave.GradientTape(checkpoints=checkpoints, **options)) as tape:
             loss = tf.reduce_sum(tf.square(model(x, training=True)))
-        found["plan"] = memsave.plan(loss, model.trainable_variables, checkpoints=checkpoints)
+        if checkpoints is not None:
+            found["plan"] = memsave.plan(loss, model.trainable_variables,
+                                         checkpoints=checkpoints, **options)
         found["calls"] = [op for op in loss.graph.get_operations()
                           if compiled_calls.is_compiled_call(op)]
         return tape.gradient(loss, model.trainable_variables)
@@ -381,6 +385,32 @@ def test_an_xla_compiled_calls_gradient_scratch_is_in_the_estimate():
           % (estimate / 2**20, scratch / 2**20, breakdown.peak / 2**20, asked / 2**20))
     assert estimate - scratch < 0.2 * asked   # what the estimate was without it
     assert 0.8 * asked <= estimate <= 1.25 * asked
+
+
+@pytest.mark.skipif(not tf.test.is_built_with_xla(), reason="needs XLA")
+@pytest.mark.parametrize("checkpoints, options, copied", [
+    ("optimal", {"max_recompute": 0.05}, False), ("speed", {}, False), ("optimal", {}, True)])
+def test_compiled_calls_on_a_cpu_are_recomputed_only_where_time_is_not_bounded(
+        checkpoints, options, copied):
+    """A call's gradient reads what the call outputs, so a copied call reruns
+    whatever the plan keeps; on a CPU, XLA runs Keras' grouped convolutions
+    at about 1 GFLOP/s (ConvNeXtTiny: 1.24-1.30x plain's step time under
+    max_recompute=0.05). Under a cap and 'speed' they are differentiated in
+    place; the lowest-peak plan still copies them (it keeps less)."""
+    step, found = _grouped_conv_step(checkpoints, channels=32, calls=3, **options)
+    grads = step()
+    graph = step.get_concrete_function().graph
+    calls = [op for op in graph.get_operations() if compiled_calls.is_compiled_call(op)]
+    copies = [op for op in calls if op.name.startswith("memsave")]
+    assert any(op.name.startswith("memsave") for op in graph.get_operations())   # rewritten
+    assert bool(copies) == copied, [op.name for op in copies]
+    if not copied:
+        assert found["plan"].recompute_fraction <= 0.05 or checkpoints == "speed"
+    plain_step, _ = _grouped_conv_step(None, channels=32, calls=3)
+    expected = plain_step()
+    scale = max(float(tf.reduce_max(tf.abs(g))) for g in expected)
+    for got, want in zip(grads, expected):
+        assert float(tf.reduce_max(tf.abs(got - want))) <= 1e-5 * scale
 
 
 @pytest.mark.skipif(not tf.test.is_built_with_xla(), reason="needs XLA")

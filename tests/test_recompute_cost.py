@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import memsave
 from memsave import tf_internal
-from memsave.graph.region import BYTE_COST, op_cost
+from memsave.graph.region import BYTE_COST, GROUPED_CONV_ON_CPU, cost_parts, op_cost
 from memsave.planning import simulate
 from memsave.planning.strategies import step_work
 from tests import builders
@@ -146,6 +146,34 @@ def test_a_reshape_costs_nothing_and_a_call_costs_its_body():
     inner = next(op for op in tf_internal.called_graph(call).get_operations()
                  if op.type == "DepthwiseConv2dNative")
     assert op_cost(call) == op_cost(inner) > 2 * (2 * 8 * 8 * 4) * 49
+
+
+def test_a_grouped_convolution_on_a_cpu_costs_its_measured_rate():
+    """TensorFlow's CPU kernels cannot group, so Keras compiles grouped
+    convolutions with XLA, whose CPU convolution runs them at about 1 GFLOP/s:
+    their FLOPs cost GROUPED_CONV_ON_CPU each there, a dense convolution's
+    (and one on a GPU) one."""
+    @tf.function(jit_compile=True)
+    def grouped(x, w):
+        return tf.nn.conv2d(x, w, 1, "SAME")
+
+    @tf.function
+    def step(x, w, dense):
+        return grouped(x, w), tf.nn.conv2d(x, dense, 1, "SAME")
+
+    graph = step.get_concrete_function(tf.TensorSpec([2, 8, 8, 8]), tf.TensorSpec([3, 3, 2, 8]),
+                                       tf.TensorSpec([3, 3, 8, 8])).graph
+    call = next(op for op in graph.get_operations() if tf_internal.called_graph(op) is not None)
+    inner = next(op for op in tf_internal.called_graph(call).get_operations()
+                 if op.type == "Conv2D")
+    dense = next(op for op in graph.get_operations() if op.type == "Conv2D")
+    flops = 2.0 * (2 * 8 * 8 * 8) * (3 * 3 * 2)
+    moved = BYTE_COST["dense"] * 4 * (2 * 8 * 8 * 8 * 2 + 3 * 3 * 2 * 8)
+    on_gpu = cost_parts(inner, device="/device:GPU:0")
+    assert on_gpu == (flops, {"dense": moved / BYTE_COST["dense"]})
+    if not tf.config.list_physical_devices("GPU"):
+        assert op_cost(call) == GROUPED_CONV_ON_CPU * flops + moved
+    assert cost_parts(dense)[0] == 2.0 * (2 * 8 * 8 * 8) * (3 * 3 * 8)
 
 
 def _saved(ys, xs):

@@ -7,7 +7,7 @@ import tensorflow as tf
 import memsave
 
 from memsave.planning import PlanGraph
-from memsave.planning.simulate import (fits, kept_indices, prepare, recompute_cost,
+from memsave.planning.simulate import (fits, kept_indices, plain_peak, prepare, recompute_cost,
                                        rewrite_segments, shared_recomputation, simulate_peak)
 from memsave.profile import peak_breakdown, session_step
 from tests.test_optimal import _measure
@@ -36,6 +36,35 @@ def _chain_with(extra):
     _tensor(g, "a2", 3, "a1")
     _tensor(g, "y", 4, "a2", y=True)
     return g.validate()
+
+
+def test_plain_backprop_keeps_no_forced_tensor():
+    """Plain backprop, what memsave falls back to, differentiates a pinned op
+    like any other: its estimate keeps nothing, not even the forced tensors
+    a rewrite keeps (``simulate_peak(g, ())`` is that rewrite). Compared
+    with that rewrite, a plan keeping only forced tensors looked no better
+    than plain, and memsave fell back to plain's full peak."""
+    g = PlanGraph()
+    g.add_tensor("x", order=-1, bytes=0, elements=MB // 4, x=True)
+    last = "x"
+    for i in range(8):
+        forced = i % 4 == 3
+        g.add_tensor("a%d" % i, order=i, elements=MB // 4, bytes=MB, cost=1.0,
+                     op_type="Tanh", candidate=not forced, forced=forced)
+        g.add_edge(last, "a%d" % i)
+        last = "a%d" % i
+    _tensor(g, "y", 8, last, y=True)
+    g.validate()
+    assert plain_peak(g) > simulate_peak(g, ())
+    assert plain_peak(g) == simulate_peak(_chain_without_forced(g), ())
+
+
+def _chain_without_forced(g):
+    plain = g.copy()
+    for _, d in plain.nodes(data=True):
+        if d["forced"]:
+            d["forced"], d["candidate"] = False, True
+    return plain
 
 
 def test_a_kept_output_nothing_reads_costs_nothing():

@@ -113,13 +113,34 @@ def pinned_under_xla(op):
     return functions.is_cond(op)
 
 
-def analyze(ys, xs, compiled=False):
+def pinned_on_cpu(op, compiled):
+    """Whether ``op`` is a call XLA compiles on its own (in a step it does not
+    compile) on a CPU: where the caller bounds the step's time, memsave
+    differentiates it in place, as plain backprop does, and never
+    recomputes it.
+
+    A call's gradient reads the intermediates the call itself outputs, so
+    a copy of it runs in its segment whatever the plan keeps. Keras compiles
+    grouped convolutions into such calls, since TensorFlow's CPU kernels
+    cannot group, and XLA's CPU convolution runs them at about 1 GFLOP/s
+    (see :data:`GROUPED_CONV_ON_CPU`): copied, ConvNeXtTiny's 18 reran in
+    every plan, a quarter of a step (1.24-1.30x plain's step time under
+    ``max_recompute=0.05``). In place, their inputs are kept until their
+    gradients: the lowest plan measured 366 MiB against 309 (plain: 718),
+    so the lowest-peak strategies and budgets still copy them.
+    """
+    return not compiled and compiled_calls.is_compiled_call(op) and _on_cpu(op.device)
+
+
+def analyze(ys, xs, compiled=False, bounds_time=False):
     """Find the region between graph tensors ``xs`` and ``ys``.
 
     An x computed from another x (``tf.gradients(loss, [x, tanh(x)])``) is
     part of the region and a forced checkpoint: like ``tf.gradients``, its
     gradient is the total one, and it carries on to the xs below it.
     ``compiled``: XLA compiles the step (see :func:`pinned_under_xla`).
+    ``bounds_time``: the caller bounds the step's time (see
+    :func:`pinned_on_cpu`).
     """
     graph = ys[0].graph
     behind_ys = backward_ops([y.op for y in ys])
@@ -130,7 +151,8 @@ def analyze(ys, xs, compiled=False):
     written = written_handles(graph, ops) if ops else {}
     facts = BufferFacts()
     pinned = {op for op in order
-              if is_pinned(op, written, facts) or (compiled and pinned_under_xla(op))}
+              if is_pinned(op, written, facts) or (compiled and pinned_under_xla(op))
+              or (bounds_time and pinned_on_cpu(op, compiled))}
     forced, seen = [], set()
 
     def force(t):
@@ -204,6 +226,16 @@ def num_elements(shape, unknown_dim=1):
 # Under XLA an op fused into its readers costs nothing to recompute
 # (``fused_under_xla``).
 BYTE_COST = {"dense": 2.5, "softmax": 9.0, "other": 6.0}
+# A grouped convolution (each output channel reads a group of the input's:
+# ConvNeXt's 7x7 depthwise ones) on a CPU costs this many times its FLOPs.
+# TensorFlow's CPU kernels cannot group, so Keras compiles these with XLA,
+# whose CPU convolution runs them at about 1 GFLOP/s: ``benchmarks/op_rates.py``
+# measures 0.8 G against the 3x3 convolution's 221 G of work per second.
+# Priced as a dense convolution's FLOPs, ConvNeXtTiny's 18 looked cheap to
+# recompute: max_recompute=0.05 plans recomputed them all, measuring 1.24-1.30x
+# plain's step time. On a GPU, cuDNN groups them at dense rates.
+GROUPED_CONV_ON_CPU = 250.0
+CONVOLUTIONS = frozenset({"Conv", "Conv2D", "Conv3D"})
 SOFTMAXES = frozenset({"Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits",
                        "SparseSoftmaxCrossEntropyWithLogits"})
 
@@ -218,8 +250,9 @@ def cost_kind(op_type):
 
 def op_cost(op, shape_of=lambda t: t.shape):
     """Work to recompute ``op`` in FLOP-equivalents: FLOPs (exact-ish for
-    matmul/conv, one per output element otherwise) plus the bytes it reads
-    and writes at its kind's :data:`BYTE_COST` (see :func:`cost_parts`)."""
+    matmul/conv, one per output element otherwise; a grouped convolution's
+    on a CPU at :data:`GROUPED_CONV_ON_CPU`) plus the bytes it reads and
+    writes at its kind's :data:`BYTE_COST` (see :func:`cost_parts`)."""
     flops, moved = cost_parts(op, shape_of)
     return flops + sum(BYTE_COST[kind] * n for kind, n in moved.items())
 
@@ -228,22 +261,54 @@ def op_cost(op, shape_of=lambda t: t.shape):
 _FREE = frozenset({"Placeholder", "Const", "NoOp", "VarHandleOp"}) | optable.INPUT_READS
 
 
-def cost_parts(op, shape_of=lambda t: t.shape):
-    """``(FLOPs, {cost kind: bytes moved})`` of ``op``. An op whose outputs
+def cost_parts(op, shape_of=lambda t: t.shape, device=""):
+    """``(FLOPs, {cost kind: bytes moved})`` of ``op``, a grouped convolution's
+    FLOPs on a CPU times :data:`GROUPED_CONV_ON_CPU`. An op whose outputs
     are its inputs' buffers (a reshape) moves nothing; a function call
-    counts its body (Keras compiles grouped convolutions into calls)."""
+    counts its body (Keras compiles grouped convolutions into calls), on
+    the call's device (``device``: the enclosing call's)."""
     if op.type in _FREE or (op.outputs and all(
             optable.forwarded_input(op, k) is not None for k in range(len(op.outputs)))):
         return 0.0, {}
+    device = op.device or device
     body = tf_internal.called_graph(op)
     if body is not None:
         flops, moved = 0.0, collections.Counter()
         for inner in body.get_operations():
-            inner_flops, inner_moved = cost_parts(inner)
+            inner_flops, inner_moved = cost_parts(inner, device=device)
             flops += inner_flops
             moved.update(inner_moved)
         return flops, dict(moved)
-    return _flops(op, shape_of), {cost_kind(op.type): _bytes_moved(op, shape_of)}
+    flops = _flops(op, shape_of)
+    if _grouped(op, shape_of) and _on_cpu(device):
+        flops *= GROUPED_CONV_ON_CPU
+    return flops, {cost_kind(op.type): _bytes_moved(op, shape_of)}
+
+
+def _grouped(op, shape_of):
+    """Whether ``op`` is a convolution whose filter reads fewer channels than
+    its input has (a grouped or depthwise one in TensorFlow's Conv ops)."""
+    if op.type not in CONVOLUTIONS or len(op.inputs) < 2:
+        return False
+    x, w = shape_of(op.inputs[0]), shape_of(op.inputs[1])
+    if x.rank is None or w.rank is None or x.rank != w.rank:
+        return False
+    try:
+        layout = op.get_attr("data_format")
+    except ValueError:
+        layout = b"NHWC"
+    layout = layout.decode() if isinstance(layout, bytes) else layout
+    channels = x[1] if layout.startswith("NC") or layout == "CHANNELS_FIRST" else x[-1]
+    return channels is not None and w[-2] is not None and w[-2] < channels
+
+
+def _on_cpu(device):
+    """Whether an op placed on ``device`` (a device string, "" where TensorFlow
+    places it) runs on a CPU: no GPU is visible where it places it."""
+    kind = tf.DeviceSpec.from_string(device).device_type if device else None
+    if kind:
+        return kind.upper() == "CPU"
+    return not tf.config.list_physical_devices("GPU")
 
 
 def _bytes_moved(op, shape_of):

@@ -24,7 +24,8 @@ from memsave.log import size_text
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topological, validate
 from memsave.planning.plan import Plan
-from memsave.planning.simulate import fits as fits_in, prepare, recompute_cost, simulate_peak
+from memsave.planning.simulate import (fits as fits_in, plain_peak, prepare, recompute_cost,
+                                       simulate_peak)
 from memsave.planning.strategies import (MAX_RECOMPUTE_ERROR, memory_spacing, recompute_once,
                                          speed_candidates, step_work)
 
@@ -362,7 +363,7 @@ def optimal(graph, budget=None, offload=None, model=None, max_recompute=None):
     model = model or OffloadModel()
     forced = nodes_where(validate(graph), "forced")
     prepared = prepare(graph)
-    plain = simulate_peak(graph, (), prepared)
+    plain = plain_peak(graph, prepared)
     limit = None if budget is None else (budget * plain if budget < 1 else float(budget))
     step = step_work(graph)
     cap = None if max_recompute is None else max_recompute * step

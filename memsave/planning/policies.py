@@ -25,7 +25,7 @@ import re
 
 from memsave.planning import registry
 from memsave.planning.dag import topological
-from memsave.planning.simulate import simulate_peak
+from memsave.planning.simulate import plain_peak
 from memsave.planning.strategies import plan_for, with_offload
 
 logger = logging.getLogger("memsave")
@@ -172,7 +172,7 @@ def always_keep(*selectors, then="optimal"):
                 pinned.append(n)
         # Plain backprop and a fractional budget refer to the graph as it is,
         # where the pinned tensors are not kept.
-        plain = simulate_peak(graph, ())
+        plain = plain_peak(graph)
         budget = options.get("budget")
         if budget is not None and 0 < budget < 1:
             options["budget"] = budget * plain

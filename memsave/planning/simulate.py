@@ -357,6 +357,18 @@ def simulate_peak(graph, kept=(), prepared=None, offloaded=(), prefetch=False):
     return found
 
 
+def plain_peak(graph, prepared=None):
+    """Estimated peak device bytes of plain backprop, what memsave falls back
+    to: nothing kept, not even the forced tensors, which only a rewrite
+    keeps (plain backprop differentiates a pinned op like any other).
+    ``simulate_peak(graph, ())`` is the rewrite that keeps only those."""
+    p = prepared or prepare(graph)
+    key = ("plain",)
+    if key not in p.memo:
+        p.memo[key] = _simulate(p, frozenset(), frozenset(), False, {})[0]
+    return p.memo[key]
+
+
 def _peak_key(p, kept, offloaded=(), prefetch=False):
     """``(kept indices, offloaded indices, early frees, memo key)`` of the
     simulation of ``kept`` (names): :func:`simulate_peak` and :func:`fits`

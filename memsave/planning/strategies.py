@@ -16,7 +16,7 @@ from memsave.planning.dag import node_bytes, nodes_where, saved_bytes, topologic
 from memsave.planning.offload import OffloadModel, host_bytes, offloadable
 from memsave.planning.plan import Plan
 from memsave.planning.simulate import (prepare, recompute_cost, shared_recomputation,
-                                       simulate_peak)
+                                       plain_peak, simulate_peak)
 
 logger = logging.getLogger("memsave")
 
@@ -30,7 +30,7 @@ def plan_for(graph, chosen, strategy, notes=(), prepared=None):
     forced = nodes_where(graph, "forced")
     prepared = prepared or prepare(graph)
     peak = simulate_peak(graph, set(chosen) | set(forced), prepared)
-    plain = simulate_peak(graph, (), prepared)
+    plain = plain_peak(graph, prepared)
     # Nothing kept at all is plain backprop, which recomputes nothing.
     work = recompute_cost(graph, chosen, prepared) if chosen or forced else 0.0
     return Plan(strategy=strategy, checkpoints=chosen, forced=forced,
