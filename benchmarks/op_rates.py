@@ -18,7 +18,7 @@ FLOPs (matmuls and convolutions, one per element elsewhere) and bytes moved
 by op kind, and a least-squares fit of the times to those parts
 (relative error). Models with function calls are left out of the
 fit and of the spread: ConvNeXtTiny's grouped convolutions run in
-XLA-compiled calls, far slower on this CPU than their bodies' work.
+XLA-compiled calls, priced at their own rate (the first table's last row).
 Its 'work per second' column, under the model's prices and under a flat
 2.5 per byte, shows how well one rate fits all models.
 Writes ``benchmarks/results/op_rates.{json,md}``. ``--quick``: small shapes,

@@ -4,7 +4,8 @@ Run ``python -m benchmarks.zoo`` (``--models ResNet50,GPT2`` for a subset,
 ``--configs "budget 0.5 × plain;speed"`` for some configurations besides
 plain, ``--stem`` to name the results file, ``--processes 3`` by default,
 ``--quick`` for small sizes and one process, ``--render`` to rewrite the
-table and plot of a stored run).
+table and plot of a stored run, ``--merge`` to put the models run in place
+of theirs in the stored run, the others' rows kept).
 Each model runs in ``--processes`` child processes (plain TF's own peak
 varies 10-30% between processes, so peaks are min / median / max over
 them). In a child, one training step (forward, loss, gradients of every
@@ -456,6 +457,8 @@ def main(argv=None):
     parser.add_argument("--stem", help="results file name (default zoo, or zoo_quick)")
     parser.add_argument("--render", action="store_true",
                         help="rewrite STEM.md and STEM.png from the stored STEM.json (no run)")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace the models run in the stored STEM.json, keep the others")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -471,6 +474,8 @@ def main(argv=None):
             print("%s, process %d/%d" % (name, i + 1, processes), file=sys.stderr, flush=True)
             runs.append(_run_child(name, args.quick, args.pairs, args.configs))
     stem = args.stem or ("zoo_quick" if args.quick else "zoo")
+    if args.merge:
+        runs = _merged(pathlib.Path(args.out) / (stem + ".json"), runs)
     summary = _summary(runs)
     machine = machine_info()
     text = markdown(summary, _machine_line(machine))
@@ -483,6 +488,21 @@ def main(argv=None):
 def _machine_line(machine):
     return "CPU (%s, %d cores), TensorFlow %s" % (
         machine["processor"], machine["cpus"], machine["tf_version"])
+
+
+def _merged(stored, runs):
+    """The stored run's processes, those of the models in ``runs`` replaced by
+    ``runs`` (where the first of them was), in the stored order."""
+    fresh = {rows[0]["model"] for rows in runs if rows}
+    merged, placed = [], False
+    for rows in json.loads(stored.read_text())["runs"]:
+        if rows and rows[0]["model"] in fresh:
+            if not placed:
+                merged += runs
+                placed = True
+            continue
+        merged.append(rows)
+    return merged if placed else merged + runs
 
 
 def _render(out, stem):

@@ -230,10 +230,11 @@ BYTE_COST = {"dense": 2.5, "softmax": 9.0, "other": 6.0}
 # ConvNeXt's 7x7 depthwise ones) on a CPU costs this many times its FLOPs.
 # TensorFlow's CPU kernels cannot group, so Keras compiles these with XLA,
 # whose CPU convolution runs them at about 1 GFLOP/s: ``benchmarks/op_rates.py``
-# measures 0.8 G against the 3x3 convolution's 221 G of work per second.
-# Priced as a dense convolution's FLOPs, ConvNeXtTiny's 18 looked cheap to
-# recompute: max_recompute=0.05 plans recomputed them all, measuring 1.24-1.30x
-# plain's step time. On a GPU, cuDNN groups them at dense rates.
+# measures 1.1 G alone against the 3x3 convolution's 222 G of work per second,
+# and with this price ConvNeXtTiny's forward pass runs at the other zoo
+# models' work per second (215 G; 31 G priced as a dense convolution's FLOPs,
+# when its caps' plans recomputed all 18, measuring 1.24-1.30x plain's step
+# time under max_recompute=0.05). On a GPU, cuDNN groups them at dense rates.
 GROUPED_CONV_ON_CPU = 250.0
 CONVOLUTIONS = frozenset({"Conv", "Conv2D", "Conv3D"})
 SOFTMAXES = frozenset({"Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits",
