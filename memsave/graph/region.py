@@ -304,8 +304,8 @@ def _grouped(op, shape_of):
 
 
 def _on_cpu(device):
-    """Whether an op placed on ``device`` (a device string, "" where TensorFlow
-    places it) runs on a CPU: no GPU is visible where it places it."""
+    """Whether an op placed on ``device`` runs on a CPU: the device's type, or,
+    where TensorFlow places the op (``device`` ""), whether no GPU is visible."""
     kind = tf.DeviceSpec.from_string(device).device_type if device else None
     if kind:
         return kind.upper() == "CPU"
