@@ -82,3 +82,30 @@ def test_explicit_ignores_xs_and_ys():
     p = explicit(chain(10), ["x", "a3", "y", "a7"])
     assert p.checkpoints == ["a3", "a7"]
     assert "checkpoint" in p.summary()
+
+
+def test_a_reshaped_weight_makes_no_bottleneck():
+    """A residual block whose matmul reads a reshaped weight: the reshape is in
+    the weight's buffer, so the matmul cuts no activation off (a bottleneck
+    once, that made 'memory' keep every projection of keras-hub's attention);
+    the block's input and output do."""
+    g = PlanGraph()
+    _node(g, "x", -1, x=True)
+    _node(g, "h0", 0)
+    g.add_edge("x", "h0")
+    prev, order = "h0", 1
+    for i in range(3):
+        w, r, q, t, h = ("w%d" % i, "r%d" % i, "q%d" % i, "t%d" % i, "h%d" % (i + 1))
+        _node(g, w, -2 - i, x=True)
+        g.add_tensor(r, order=order, elements=MB // 4, bytes=MB, cost=0.0, op_type="Reshape",
+                     saved=False, candidate=True, shares_buffer=w)
+        _node(g, q, order + 1, op_type="MatMul")
+        _node(g, t, order + 2)
+        _node(g, h, order + 3, op_type="AddV2", saved=False)
+        g.add_edges_from([(w, r), (r, q), (prev, q), (q, t), (prev, h), (t, h)])
+        prev, order = h, order + 4
+    _node(g, "y", order, y=True)
+    g.add_edge(prev, "y")
+    found = set(bottlenecks(g))
+    assert not found & {"q0", "q1", "q2", "r0", "r1", "r2"}, found
+    assert {"h1", "h2"} <= found

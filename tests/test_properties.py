@@ -40,6 +40,7 @@ from hypothesis import HealthCheck, Phase, assume, given, note, settings
 from tensorflow.python.framework.ops import EagerTensor
 
 import memsave
+from memsave.graph import optable
 from memsave.graph.region import analyze
 from tests import graphgen
 
@@ -146,8 +147,9 @@ def brute_force_bottlenecks(ys, xs, strict=False):
     """Names of candidate tensors whose removal cuts some activation off from the ys.
 
     Nodes are the xs and region op outputs, edges go from op inputs to op
-    outputs, and a sink joins the ys. An activation is any node but an x
-    or a variable read. With ``strict`` the xs (and reads of them) are not
+    outputs, and a sink joins the ys. An activation is any node but an x,
+    a variable read, or a tensor in a node's buffer (an op forwarding its
+    input: a reshape holds no bytes of its own). With ``strict`` the xs (and reads of them) are not
     nodes at all: they are inputs, alive for the whole step, so a path
     through them (a shared weight, a weight-decay term) does not make a
     recomputed segment's activations necessary.
@@ -177,6 +179,12 @@ def brute_force_bottlenecks(ys, xs, strict=False):
         adj[sink].add(y)
         adj[y].add(sink)
     dropped = (x_names | reads) if strict else set()
+    in_a_nodes_buffer = set()
+    for op in region:
+        for k, t in enumerate(op.outputs):
+            source = optable.forwarded_input(op, k)
+            if source is not None and source.name in nodes:
+                in_a_nodes_buffer.add(t.name)
 
     def reached(without):
         seen, stack = {sink}, [sink]
@@ -191,7 +199,7 @@ def brute_force_bottlenecks(ys, xs, strict=False):
     # Activations that feed the ys at all (a region op whose only path to
     # the ys runs through an x has none).
     activations = {n for n in reached(None) if n != sink and n not in x_names
-                   and n not in reads}
+                   and n not in reads and n not in in_a_nodes_buffer}
     # Ops memsave keeps in place are no candidates (a call whose body only
     # reads is stateful by its op type, yet recomputable), nor the tensors it
     # keeps for them anyway (their inputs).

@@ -169,8 +169,11 @@ def bottlenecks(graph):
         return []
 
     def weight(n):
-        # Activation bytes (an unknown size counts).
-        if n == _SINK:
+        # Activation bytes (an unknown size counts). A tensor in its input's
+        # buffer (a reshape) holds none of its own: a reshaped weight, alone
+        # beyond a matmul, made each projection of keras-hub's attention a
+        # "bottleneck".
+        if n == _SINK or graph.nodes[n]["shares_buffer"] is not None:
             return 0
         b = graph.nodes[n]["bytes"]
         return 1 if b is None else b
