@@ -515,8 +515,14 @@ def _candidate_kept_sets(graph, prepared, forced, limit, cap, offload_model, fas
     kept_sets = [kept for _, _, kept in candidates] + [[]]
     # Where single-tensor bottlenecks exist, the 'memory' spacing (denser near
     # the ys) can beat uniform segments; let it compete on the same estimate.
+    # It spaces the bottlenecks a reshaped weight makes too (a projection of
+    # keras-hub's attention): on GPT2 at 1,024 tokens under XLA, checkpoints
+    # after each other layer's attention measured 3,845 MiB of XLA's temp
+    # buffers on an H100, the 'memory' strategy's at the layers' ends 5,021,
+    # though estimated 24 MiB lower.
     try:
-        kept_sets.append(topological(graph, memory_spacing(graph, min_checkpoint_size=0)[0]))
+        kept_sets.append(topological(graph, memory_spacing(
+            graph, min_checkpoint_size=0, shared_buffers_weigh=True)[0]))
     except ValueError:
         pass
     if fast is not None:

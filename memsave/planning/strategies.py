@@ -151,14 +151,16 @@ def speed(graph):
     return plan_for(graph, chosen, "speed", notes, prepared)
 
 
-def bottlenecks(graph):
+def bottlenecks(graph, shared_buffers_weigh=False):
     """Tensors whose removal cuts some activations off from the ys.
 
     These are the articulation points of the undirected region without the
     xs, their variable reads and the tensors no y depends on (with a sink
     joined to every y) that separate
     some activation bytes from the sink: everything on the far side is an
-    ancestor that the checkpoint lets backprop forget. Returned in
+    ancestor that the checkpoint lets backprop forget. A tensor in its
+    input's buffer (a reshape) holds no activation bytes of its own unless
+    ``shared_buffers_weigh`` (see :func:`memory_spacing`). Returned in
     topological order.
     """
     und = _live_undirected(graph)
@@ -173,7 +175,8 @@ def bottlenecks(graph):
         # buffer (a reshape) holds none of its own: a reshaped weight, alone
         # beyond a matmul, made each projection of keras-hub's attention a
         # "bottleneck".
-        if n == _SINK or graph.nodes[n]["shares_buffer"] is not None:
+        if n == _SINK or (graph.nodes[n]["shares_buffer"] is not None
+                          and not shared_buffers_weigh):
             return 0
         b = graph.nodes[n]["bytes"]
         return 1 if b is None else b
@@ -243,10 +246,14 @@ def memory(graph, min_checkpoint_size=1024):
                           len(found), sized, len(chosen))])
 
 
-def memory_spacing(graph, min_checkpoint_size=1024):
+def memory_spacing(graph, min_checkpoint_size=1024, shared_buffers_weigh=False):
     """What :func:`memory` keeps, without its plan's estimates (for planners
     that estimate it themselves): ``(kept names, bottlenecks of at least
-    that size, count of candidates of at least that size)``."""
+    that size, count of candidates of at least that size)``.
+
+    ``shared_buffers_weigh``: bottlenecks as though a reshape held bytes of
+    its own, so that a matmul reading a reshaped weight cuts the graph (see
+    :func:`memsave.planning.optimal._candidate_kept_sets`)."""
     if min_checkpoint_size < 0:
         raise ValueError("min_checkpoint_size must be >= 0, got %r" % (min_checkpoint_size,))
     validate(graph)
@@ -260,7 +267,7 @@ def memory_spacing(graph, min_checkpoint_size=1024):
         return e is None or not d["sized_exactly"] or e >= min_checkpoint_size
 
     sized = sum(1 for n, d in graph.nodes(data=True) if d["candidate"] and big(n))
-    cuts = [n for n in bottlenecks(graph) if graph.nodes[n]["candidate"]]
+    cuts = [n for n in bottlenecks(graph, shared_buffers_weigh) if graph.nodes[n]["candidate"]]
     found = [n for n in cuts if big(n)]
     if cuts and not found:
         raise NoBottleneckError(
