@@ -5,7 +5,8 @@ Run ``python -m benchmarks.zoo`` (``--models ResNet50,GPT2`` for a subset,
 plain, ``--stem`` to name the results file, ``--processes 3`` by default,
 ``--quick`` for small sizes and one process, ``--render`` to rewrite the
 table and plot of a stored run, ``--merge`` to put the models run in place
-of theirs in the stored run, the others' rows kept).
+of theirs in the stored run, the others' rows kept; with ``--configs``, only
+those rows of the models run).
 Each model runs in ``--processes`` child processes (plain TF's own peak
 varies 10-30% between processes, so peaks are min / median / max over
 them). In a child, one training step (forward, loss, gradients of every
@@ -31,6 +32,7 @@ model: the Pareto front).
 """
 
 import argparse
+import collections
 import json
 import logging
 import pathlib
@@ -458,7 +460,8 @@ def main(argv=None):
     parser.add_argument("--render", action="store_true",
                         help="rewrite STEM.md and STEM.png from the stored STEM.json (no run)")
     parser.add_argument("--merge", action="store_true",
-                        help="replace the models run in the stored STEM.json, keep the others")
+                        help="replace the models run in the stored STEM.json, keep the others"
+                        " (with --configs: only those rows)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -475,7 +478,7 @@ def main(argv=None):
             runs.append(_run_child(name, args.quick, args.pairs, args.configs))
     stem = args.stem or ("zoo_quick" if args.quick else "zoo")
     if args.merge:
-        runs = _merged(pathlib.Path(args.out) / (stem + ".json"), runs)
+        runs = _merged(pathlib.Path(args.out) / (stem + ".json"), runs, args.configs)
     summary = _summary(runs)
     machine = machine_info()
     text = markdown(summary, _machine_line(machine))
@@ -490,9 +493,14 @@ def _machine_line(machine):
         machine["processor"], machine["cpus"], machine["tf_version"])
 
 
-def _merged(stored, runs):
+def _merged(stored, runs, configs=None):
     """The stored run's processes, those of the models in ``runs`` replaced by
-    ``runs`` (where the first of them was), in the stored order."""
+    ``runs`` (where the first of them was), in the stored order. With
+    ``configs`` (labels separated by ';'), only those rows are replaced (or
+    added), process by process; plain's stay (each row's time ratio is
+    against the plain of its own process)."""
+    if configs:
+        return _merged_rows(json.loads(stored.read_text())["runs"], runs, configs.split(";"))
     fresh = {rows[0]["model"] for rows in runs if rows}
     merged, placed = [], False
     for rows in json.loads(stored.read_text())["runs"]:
@@ -503,6 +511,27 @@ def _merged(stored, runs):
             continue
         merged.append(rows)
     return merged if placed else merged + runs
+
+
+def _merged_rows(stored, runs, labels):
+    """``stored`` with the rows of ``labels`` from ``runs`` in place of theirs:
+    the n-th fresh process of a model goes into its n-th stored one."""
+    fresh = collections.defaultdict(list)
+    for rows in runs:
+        if rows:
+            fresh[rows[0]["model"]].append({r["config"]: r for r in rows
+                                            if r["config"] in labels})
+    seen = collections.Counter()
+    merged = []
+    for rows in stored:
+        model = rows[0]["model"] if rows else None
+        if model not in fresh or seen[model] >= len(fresh[model]):
+            merged.append(rows)
+            continue
+        new = dict(fresh[model][seen[model]])
+        seen[model] += 1
+        merged.append([new.pop(r["config"], r) for r in rows] + list(new.values()))
+    return merged
 
 
 def _render(out, stem):
