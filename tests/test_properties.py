@@ -149,10 +149,10 @@ def brute_force_bottlenecks(ys, xs, strict=False):
     Nodes are the xs and region op outputs, edges go from op inputs to op
     outputs, and a sink joins the ys. An activation is any node but an x,
     a variable read, or a tensor in a node's buffer (an op forwarding its
-    input: a reshape holds no bytes of its own). With ``strict`` the xs (and reads of them) are not
-    nodes at all: they are inputs, alive for the whole step, so a path
-    through them (a shared weight, a weight-decay term) does not make a
-    recomputed segment's activations necessary.
+    input: a reshape holds no bytes of its own). With ``strict`` the xs
+    (and reads of them) are not nodes at all: they are inputs, alive for
+    the whole step, so a path through them (a shared weight, a weight-decay
+    term) does not make a recomputed segment's activations necessary.
     """
     xs = _handles(xs)
     region = _region(ys, xs)
