@@ -11,7 +11,7 @@ from memsave import tf_internal
 from memsave import verify as verify_module
 from memsave.errors import GradientMismatchError
 from memsave.log import warn_once
-from memsave.planning.plan import Plan
+from memsave.planning.plan import MIN_SAVING, Plan
 from memsave.graph import audit, graph_tensor, reaches_xs_through_captures
 from memsave.graph.region import analyze
 from memsave.graph.walk import differentiably_connected
@@ -162,7 +162,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **options):
     ``shapes``, ``batch_size``, ``verify``, ``xla``, ``offload_model``; see
     :mod:`memsave.settings` and docs/api.md). With the default
     ``fallback=True`` a named strategy whose estimated peak, on fully known
-    sizes, is not below plain backprop's returns plain ``tf.gradients``
+    sizes, is not below plain backprop's (without a budget or a cap: by
+    at least ``MIN_SAVING``, 10% of it) returns plain ``tf.gradients``
     (logged at INFO). Under XLA each recomputed segment reads its inputs
     through an optimization barrier, as ``jax.checkpoint`` does; offloading
     is refused there (a list) or planned without ('auto').
@@ -265,12 +266,19 @@ def _plain_is_better(chosen, settings):
     if not chosen.kept:
         logger.info("memsave: no checkpoints; using plain tf.gradients")
         return True
-    if settings.fallback and settings.checkpoints.by_name and chosen.worse_than_plain():
+    # A budget's plan is to fit it, and a cap bounds what a plan costs; a plan
+    # with neither must save more than the estimate's error to be worth its
+    # recomputation.
+    bounded = settings.budget is not None or settings.max_recompute is not None
+    margin = 0.0 if bounded else MIN_SAVING
+    if settings.fallback and settings.checkpoints.by_name and chosen.worse_than_plain(margin):
         # A named strategy is a means to save memory; an explicit list or a
         # callable is the user's own choice and is honoured.
-        logger.info("memsave: the %s plan's estimated peak (%.1f MiB) is not below plain "
+        logger.info("memsave: the %s plan's estimated peak (%.1f MiB) is not %s plain "
                     "backprop's (%.1f MiB); using plain tf.gradients", chosen.strategy,
-                    chosen.estimated_peak_bytes / 2**20, chosen.plain_peak_bytes / 2**20)
+                    chosen.estimated_peak_bytes / 2**20,
+                    "%d%% below" % round(100 * margin) if margin else "below",
+                    chosen.plain_peak_bytes / 2**20)
         return True
     return False
 

@@ -31,7 +31,7 @@ def _rewrite_even_where_it_does_not_pay(request, monkeypatch):
             request.node.get_closest_marker("fallback"):
         return
     from memsave.planning.plan import Plan   # pylint: disable=import-outside-toplevel
-    monkeypatch.setattr(Plan, "worse_than_plain", lambda self: False)
+    monkeypatch.setattr(Plan, "worse_than_plain", lambda self, margin=0.0: False)
 
 
 @pytest.fixture

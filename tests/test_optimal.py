@@ -51,7 +51,7 @@ _PEAK_IN_A_FRESH_PROCESS = textwrap.dedent("""
     import memsave
     from memsave.planning.plan import Plan
     from tests import test_optimal
-    Plan.worse_than_plain = lambda self: False   # as tests/conftest.py does
+    Plan.worse_than_plain = lambda self, margin=0.0: False   # as tests/conftest.py does
     build = test_optimal._model(getattr(test_optimal, sys.argv[1]))
     try:
         print("PEAK", test_optimal._median_peak(build, sys.argv[2] or None))
