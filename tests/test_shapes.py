@@ -309,6 +309,33 @@ def test_a_plan_saving_less_than_the_margin_falls_back_unless_asked(caplog):
             assert np.abs(p - q).max() <= 1e-5 * scale
 
 
+def test_a_fused_batch_norms_reserve_space_is_not_an_unknown_size(caplog):
+    """FusedBatchNormV3's reserve space (its sixth output) has no static shape:
+    its kernel sizes it (empty on CPU). On a graph whose shapes are all
+    known otherwise, the plan must not say that sizes were guessed (and warn
+    to pass shapes=, which cannot size it), nor lose the fallback that
+    guessed sizes disable."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        h = tf.constant(rng.rand(8, 16, 16, 8).astype("float32"))
+        ws = []
+        for _ in range(3):
+            w = tf.Variable(rng.rand(3, 3, 8, 8).astype("float32") / 72)
+            scale, offset = tf.Variable(tf.ones([8])), tf.Variable(tf.zeros([8]))
+            ws += [w, scale, offset]
+            h, _, _ = tf.compat.v1.nn.fused_batch_norm(
+                tf.nn.conv2d(h, w, 1, "SAME"), scale, offset, is_training=True)
+            h = tf.nn.relu(h)
+        loss = tf.reduce_sum(h)
+        bn = [op for op in graph.get_operations() if op.type == "FusedBatchNormV3"]
+        assert bn and not bn[0].outputs[5].shape.is_fully_defined()
+        with caplog.at_level(logging.INFO, logger="memsave"):
+            chosen = memsave.plan(loss, ws, checkpoints="optimal")
+    assert chosen.unknown_dims == 0, chosen.summary()
+    assert "unknown dimensions" not in chosen.summary() + caplog.text
+
+
 def test_bad_shape_hints():
     graph, x, loss, ws = _unet_graph([None, None, None, 3])
     with graph.as_default():

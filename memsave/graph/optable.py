@@ -27,6 +27,20 @@ GRAD_READS_INPUTS = frozenset({
     "FusedBatchNormV3", "MaxPool", "AvgPool", "Conv2DBackpropInput",
 })
 
+# Outputs whose size the kernel chooses, left unknown by the graph: a fused
+# batch norm's reserve space (empty on CPU, a small cache for cuDNN). No
+# shape hint can size them, so they are not counted among the tensors of
+# unknown size (which would warn and keep a plan from falling back to
+# plain gradients); they are sized as one element.
+KERNEL_SIZED_OUTPUTS = {"FusedBatchNormV3": frozenset({5})}
+
+
+def kernel_sized(op, index):
+    """Whether output ``index`` of ``op`` is sized by its kernel (see
+    :data:`KERNEL_SIZED_OUTPUTS`)."""
+    return index in KERNEL_SIZED_OUTPUTS.get(op.type, ())
+
+
 # Ops whose gradient for their params is IndexedSlices: one row per lookup.
 SPARSE_GRADIENT = frozenset({"GatherV2", "Gather"})
 # Ops whose gradient for their data is IndexedSlices (a row per distinct id)

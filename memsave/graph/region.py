@@ -624,7 +624,7 @@ def _add_region_tensors(g, region, reads, marks, shape_of, batch_size, compiled)
                 else None), scratch_bytes=scratch,
                 **_output_fields(t, op, shape, cost, kind, reads, marks, region, batch_size))
             index += 1
-            if not shape.is_fully_defined():
+            if not shape.is_fully_defined() and not optable.kernel_sized(op, k):
                 unknown += 1
             for i in op.inputs:
                 if i.op in region.ops or i.name in x_names:

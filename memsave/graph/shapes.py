@@ -32,6 +32,7 @@ import logging
 import tensorflow as tf
 
 from memsave import tf_internal
+from memsave.graph import optable
 from memsave.graph.walk import backward_ops
 
 logger = logging.getLogger("memsave")
@@ -278,7 +279,8 @@ def resolve(region, shapes=None, batch_size=None):
     be learned. ``notes`` say where the sizes came from; ``nominal``
     whether some of them are nominal (a guess).
     """
-    unknown = any(not t.shape.is_fully_defined() for op in region.ops for t in op.outputs)
+    unknown = any(not t.shape.is_fully_defined() and not optable.kernel_sized(op, k)
+                  for op in region.ops for k, t in enumerate(op.outputs))
     ancestors = backward_ops(region.ops, control=True)
     hints, notes, nominal = _source_hints(region, ancestors, shapes, batch_size)
     if not unknown or not (hints or any(op.type in DATA_DEPENDENT for op in ancestors)):
