@@ -780,8 +780,10 @@ class _Rewrite:
                                     skip=self._not_ancestors(existing, boundary_copies),
                                     prunable=copies.of.values(),
                                     **self.grad_kwargs)
+        made = graph.get_operations()[before:]
+        grads_out = tf_internal.in_graph(grads_out, graph)
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
-        made_now = self._own(graph.get_operations()[before:], grads_out)
+        made_now = self._own(made, grads_out)
         _read_copies(made_now, copies.of)
         _read_kept(made_now, copies, own_values)
         _gradients_wait(made_now, copies, self.wait, "memsave_%d" % (self.segment - 1))

@@ -174,6 +174,9 @@ _SYMBOLS_TABLE = (
     # tf.gradients' forward walk from the xs, what it calls per tensor, and its
     # module (see fast_reachability).
     ("mark_reached_ops", "tensorflow.python.ops.gradients_util._MarkReachedOps"),
+    # What it calls per differentiated op to log its gradients (see
+    # _log_op_gradients).
+    ("log_op_gradients", "tensorflow.python.ops.gradients_util._LogOpGradients"),
     ("consumers_across_captures", "tensorflow.python.ops.gradients_util._Consumers"),
     ("is_trainable", "tensorflow.python.eager.backprop_util.IsTrainable"),
     ("gradients_util_module", "tensorflow.python.ops.gradients_util"),
@@ -314,6 +317,32 @@ def declared_batch_size(dataset):
     inner = getattr(found, "_input_dataset", None)
     count = int(inner.cardinality()) if isinstance(inner, tf.data.Dataset) else -1
     return int(min(size, count)) if count > 0 else int(size)
+
+
+def in_graph(values, graph):
+    """``values`` (tensors, IndexedSlices or None) with each eager tensor made a
+    tensor of ``graph``, a tf.function's graph: captured, as tf.function
+    captures any eager value its ops read. A custom gradient may return an
+    eager tensor it closed over (a constant made outside the function, an
+    IndexedSlices' indices); tf.gradients hands it on as it is, and an op
+    reading it captures it, but it has no op to walk from, nor can it be a
+    later gradient call's grad_ys."""
+    if not isinstance(graph, FuncGraph):
+        return list(values)
+
+    def one(t):
+        return graph.capture(t) if isinstance(t, EagerTensor) else t
+    out = []
+    for v in values:
+        if isinstance(v, tf.IndexedSlices):
+            parts = (v.values, v.indices, v.dense_shape)
+            if any(isinstance(c, EagerTensor) for c in parts):
+                v = tf.IndexedSlices(one(v.values), one(v.indices),
+                                     None if v.dense_shape is None else one(v.dense_shape))
+        elif v is not None:
+            v = one(v)
+        out.append(v)
+    return out
 
 
 def op_id(op):
@@ -580,6 +609,16 @@ def _skip_unreached_inputs(ops, reached, starts):
             marked.append(op)
 
 
+def _log_op_gradients(op, out_grads, in_grads):
+    """TensorFlow's ``_LogOpGradients``, but not for a gradient that is an eager
+    tensor: TF formats every gradient's name whether or not it logs, and an
+    eager tensor a custom gradient returns (a constant it closed over) has
+    none, so tf.gradients failed where the tape (which does not log) runs."""
+    if any(isinstance(g, EagerTensor) for g in (*out_grads, *in_grads)):
+        return
+    log_op_gradients(op, out_grads, in_grads)
+
+
 _reach_lock = threading.Lock()
 _reach_users = [0]
 _local_skip = threading.local()
@@ -606,6 +645,7 @@ def fast_reachability(skip=None, prunable=None, barred=None):
     with _reach_lock:
         if not _reach_users[0]:
             gradients_util_module._MarkReachedOps = _mark_reached_ops  # pylint: disable=protected-access
+            gradients_util_module._LogOpGradients = _log_op_gradients  # pylint: disable=protected-access
         _reach_users[0] += 1
     _local_skip.skip = skip
     _local_skip.prunable = prunable
@@ -622,6 +662,7 @@ def fast_reachability(skip=None, prunable=None, barred=None):
             _reach_users[0] -= 1
             if not _reach_users[0]:
                 gradients_util_module._MarkReachedOps = mark_reached_ops  # pylint: disable=protected-access
+                gradients_util_module._LogOpGradients = log_op_gradients  # pylint: disable=protected-access
 
 
 SYMBOLS = tuple(_symbols)

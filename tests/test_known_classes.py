@@ -1177,6 +1177,63 @@ def test_eager_constant_as_an_x_inside_tf_function():
     assert _worst(plain, ours) <= 1e-12
 
 
+_EAGER_ROWS = tf.constant(np.random.RandomState(16).randint(0, 40, 32), tf.int32)
+_EAGER_GRADIENT = tf.constant(np.random.RandomState(17).randn(32, 16))
+
+
+@tf.custom_gradient
+def _rows_with_eager_indices(table):
+    """A gather whose gradient is IndexedSlices on indices made outside the function."""
+    def grad(dy):
+        return tf.IndexedSlices(dy, _EAGER_ROWS, tf.constant([40, 16]))
+    return tf.gather(table, _EAGER_ROWS), grad
+
+
+@tf.custom_gradient
+def _tanh_with_an_eager_gradient(h):
+    """tanh whose gradient is a constant made outside the function."""
+    return tf.tanh(h), lambda dy: _EAGER_GRADIENT
+
+
+@pytest.mark.parametrize("form", ["gradients", "tape"])
+@pytest.mark.parametrize("strategy", ["optimal", "memory", "speed"])
+def test_a_users_gradient_may_return_an_eager_tensor_it_closed_over(strategy, form):
+    """A custom gradient returning an eager tensor (IndexedSlices' indices, a
+    constant gradient) made outside the tf.function: TensorFlow hands it on
+    as it is, and memsave walked its op ("Tensor.op is undefined when eager
+    execution is enabled"), passed it on as the next segment's grad_ys, or
+    logged its name in a segment's tf.gradients call (which TF's own does, so
+    plain tf.gradients fails on the dense case; the tape runs it)."""
+    rng = np.random.RandomState(18)
+    table, w = tf.Variable(rng.randn(40, 16)), tf.Variable(rng.randn(16, 16) / 4)
+
+    def forward():
+        h = tf.tanh(_rows_with_eager_indices(table) @ w)
+        h = tf.tanh(_tanh_with_an_eager_gradient(h @ w) @ w) if form == "tape" else h
+        return tf.reduce_sum(tf.tanh(tf.tanh(h @ w) @ w) ** 2)
+
+    @tf.function
+    def step(ours):
+        if form == "gradients":
+            loss = forward()
+            if not ours:
+                return tf.gradients(loss, [table, w])
+            return memsave.gradients(loss, [table, w], checkpoints=strategy, fallback=False,
+                                     min_checkpoint_size=0)
+        tape = (memsave.GradientTape(checkpoints=strategy, fallback=False, min_checkpoint_size=0)
+                if ours else tf.GradientTape())
+        with tape:
+            loss = forward()
+        return tape.gradient(loss, [table, w])
+
+    plain, ours = step(False), step(True)
+    assert [type(g) for g in plain] == [type(g) for g in ours]
+    assert _worst([tf.convert_to_tensor(g) for g in plain],
+                  [tf.convert_to_tensor(g) for g in ours]) <= 1e-12
+    rewritten = step.get_concrete_function(True).graph.get_operations()
+    assert any("memsave" in op.name for op in rewritten)
+
+
 def test_buffer_facts_agree_with_the_walk_through_chains_and_tf1_loops():
     """BufferFacts works out each tensor's possible buffers once from its
     inputs' (a DenseNet's concatenations, each of which may hand on the
