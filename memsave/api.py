@@ -49,17 +49,24 @@ def _as_ys(ys):
 
     Variables and Python numbers become tensors of the graph the other ys
     live in (else the default graph): a variable is read, a number is a
-    constant, whose gradients are then unconnected.
+    constant, whose gradients are then unconnected. Inside a tf.function an
+    eager y, or one of an enclosing function's graph, is captured, as
+    tf.gradients reads it (it depends on no x of this graph).
     """
     ys = _as_list(ys)
     if not ys:
         return ys
     graphs = [y.graph for y in ys if isinstance(y, (tf.Tensor, tf.IndexedSlices))
               and not isinstance(y, tf_internal.EagerTensor)]
-    graph = graphs[0] if graphs else tf.compat.v1.get_default_graph()
+    default = tf.compat.v1.get_default_graph()
+    graph = default if default in graphs or not graphs else graphs[0]
     out = []
     with graph.as_default():
         for y in ys:
+            if (isinstance(graph, tf_internal.FuncGraph) and isinstance(y, tf.Tensor)
+                    and (isinstance(y, tf_internal.EagerTensor) or y.graph is not graph)):
+                out.append(graph_tensor(y, graph))   # else _validate names its graph
+                continue
             if isinstance(y, tf_internal.EagerTensor) or isinstance(
                     y, (tf.Tensor, tf.IndexedSlices)):
                 out.append(y)   # checked, with a clear message, by _validate

@@ -781,7 +781,7 @@ class _Rewrite:
                                     prunable=copies.of.values(),
                                     **self.grad_kwargs)
         made = graph.get_operations()[before:]
-        grads_out = tf_internal.in_graph(grads_out, graph)
+        grads_out = tf_internal.in_graph(grads_out, graph, like=targets)
         self.ledger.call(boundary_copies, grads, targets, stops, grads_out, start)
         made_now = self._own(made, grads_out)
         _read_copies(made_now, copies.of)

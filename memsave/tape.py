@@ -203,6 +203,14 @@ def _variable_dtype(var):
     return tf.as_dtype(var.dtype).base_dtype
 
 
+def _held_dtype(handle):
+    """The dtype of the variable a graph resource handle refers to (a source
+    given as ``v.handle``: the plain tape differentiates its reads), or
+    ``tf.resource`` where its handle data does not say."""
+    found = tf_internal.resource_handle_data(handle).shape_and_type
+    return tf.as_dtype(found[0].dtype) if found and found[0].dtype else tf.resource
+
+
 def _grad_in_graph(g, graph):
     if g is None or (_is_graph_tensor(g) and g.graph is graph):
         return g
@@ -403,7 +411,8 @@ def _route_sources(tape, call, flat_raw, flat_xs):
     for raw, x in zip(flat_raw, flat_xs):
         ok = next(present_ok) if x is not None else False
         is_var = tf_internal.is_resource_variable(raw)
-        dtype = _variable_dtype(raw) if is_var else (x.dtype if x is not None else None)
+        dtype = (_variable_dtype(raw) if is_var else None if x is None
+                 else _held_dtype(x) if x.dtype == tf.resource else x.dtype)
         if not ok or not _differentiable(dtype):
             call.routes.append(None)
             continue

@@ -152,6 +152,9 @@ _SYMBOLS_TABLE = (
     # Resource handle dtype/shape metadata (what a variable handle reads as) has
     # no public API; copies of ops must carry it or variable reads lose shapes.
     ("copy_handle_data", "tensorflow.python.ops.handle_data_util.copy_handle_data"),
+    # The dtype and shape a graph resource handle's variable holds (a source
+    # given as ``v.handle``); only tf.__internal__, which is private too.
+    ("resource_handle_data", "tensorflow.python.ops.handle_data_util.get_resource_handle_data"),
     # True for resource variables (and Keras/distributed wrappers of them); only
     # tf.__internal__.ops.is_resource_variable, which is private too.
     ("is_resource_variable", "tensorflow.python.ops.resource_variable_ops.is_resource_variable"),
@@ -319,28 +322,32 @@ def declared_batch_size(dataset):
     return int(min(size, count)) if count > 0 else int(size)
 
 
-def in_graph(values, graph):
-    """``values`` (tensors, IndexedSlices or None) with each eager tensor made a
-    tensor of ``graph``, a tf.function's graph: captured, as tf.function
-    captures any eager value its ops read. A custom gradient may return an
-    eager tensor it closed over (a constant made outside the function, an
-    IndexedSlices' indices); tf.gradients hands it on as it is, and an op
-    reading it captures it, but it has no op to walk from, nor can it be a
-    later gradient call's grad_ys."""
-    if not isinstance(graph, FuncGraph):
-        return list(values)
+def in_graph(values, graph, like=()):
+    """``values`` (gradients: tensors, IndexedSlices or None) as values of
+    ``graph``. A custom gradient may return a value from outside it: an eager
+    tensor it closed over (a constant made outside the tf.function, an
+    IndexedSlices' indices) or a tensor of an enclosing function's graph,
+    captured here as tf.function captures any outside value its ops read;
+    or a numpy array or Python number, made a constant
+    (of the dtype of the matching tensor of ``like``, where it has one, as a
+    Python float for a float64 input). tf.gradients hands such a value on as
+    it is; it has no op to walk from, nor can it be a later call's grad_ys."""
+    hints = [None if t.dtype == tf.resource else t.dtype for t in like]
 
-    def one(t):
-        return graph.capture(t) if isinstance(t, EagerTensor) else t
+    def one(t, hint=None):
+        if (isinstance(graph, FuncGraph) and isinstance(t, tf.Tensor)
+                and (isinstance(t, EagerTensor) or t.graph is not graph)):
+            return graph.capture(t)
+        if t is None or isinstance(t, (tf.Tensor, tf.IndexedSlices)):
+            return t
+        with graph.as_default():
+            return tf.convert_to_tensor(t, dtype_hint=hint)
     out = []
-    for v in values:
+    for i, v in enumerate(values):
         if isinstance(v, tf.IndexedSlices):
-            parts = (v.values, v.indices, v.dense_shape)
-            if any(isinstance(c, EagerTensor) for c in parts):
-                v = tf.IndexedSlices(one(v.values), one(v.indices),
-                                     None if v.dense_shape is None else one(v.dense_shape))
-        elif v is not None:
-            v = one(v)
+            v = tf.IndexedSlices(one(v.values), one(v.indices), one(v.dense_shape))
+        else:
+            v = one(v, hints[i] if i < len(hints) else None)
         out.append(v)
     return out
 
@@ -610,13 +617,24 @@ def _skip_unreached_inputs(ops, reached, starts):
 
 
 def _log_op_gradients(op, out_grads, in_grads):
-    """TensorFlow's ``_LogOpGradients``, but not for a gradient that is an eager
-    tensor: TF formats every gradient's name whether or not it logs, and an
-    eager tensor a custom gradient returns (a constant it closed over) has
-    none, so tf.gradients failed where the tape (which does not log) runs."""
-    if any(isinstance(g, EagerTensor) for g in (*out_grads, *in_grads)):
+    """TensorFlow's ``_LogOpGradients``, but not for a gradient with no name:
+    TF formats every gradient's name whether or not it logs, and a value a
+    custom gradient returns from outside the graph (an eager tensor it closed
+    over, a numpy array, a number) has none, so tf.gradients failed where the
+    tape (which does not log) runs."""
+    if not all(_named(g) for g in (*out_grads, *in_grads)):
         return
     log_op_gradients(op, out_grads, in_grads)
+
+
+def _named(grad):
+    """Whether ``grad`` (None, a tensor, IndexedSlices, or a list of them) is
+    a graph value with a name: not an eager tensor, a numpy array or a number
+    a custom gradient returned."""
+    if isinstance(grad, (list, tuple)):
+        return all(_named(g) for g in grad)
+    return grad is None or (isinstance(grad, (tf.Tensor, tf.IndexedSlices))
+                            and not isinstance(grad, EagerTensor))
 
 
 _reach_lock = threading.Lock()

@@ -326,6 +326,27 @@ def test_a_target_the_tape_did_not_record_seeds_itself_as_a_source(given, where,
     assert rewrites
 
 
+def test_a_variables_handle_as_a_source_gets_its_gradient(rewrites):
+    """``tape.gradient(loss, [v.handle, w])`` in a tf.function: the plain tape
+    differentiates the handle's reads; memsave's gave None (a resource tensor
+    is not differentiable by its own dtype, but by its variable's)."""
+    rng = np.random.RandomState(3)
+    v, w = (tf.Variable(rng.randn(6, 6) / 3) for _ in range(2))
+    x = tf.constant(rng.randn(4, 6))
+
+    @tf.function
+    def step(make):
+        with make() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.sin(tf.tanh(x @ v) @ w) @ w) ** 2)
+        return tape.gradient(loss, [v.handle, w])
+
+    plain = step(tf.GradientTape)
+    ours = step(lambda: memsave.GradientTape(checkpoints="optimal", min_checkpoint_size=0))
+    assert all(g is not None for g in ours)
+    for a, b in zip(plain, ours):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-10, atol=1e-12)
+
+
 def test_watch_accessed_variables_false(rewrites):
     ws, x = _variables(6, seed=6), _input()
 

@@ -714,10 +714,15 @@ def _unfenced_reads(ledger):
     out = []
     ops = [op for op in ledger.graph.get_operations()
            if tf_internal.op_id(op) >= spans[0] and op not in ledger.foreign]
+    # A function's captures are its arguments, there from the start: a user's
+    # gradient reading a value from outside that the forward pass never read
+    # (a closed-over constant or variable) captures it in the segment that
+    # runs it first, and a later segment's run reads the same capture.
+    arguments = {internal.op for _, internal in getattr(ledger.graph, "captures", ())}
 
     def span(op):
         i = tf_internal.op_id(op)
-        if i < spans[0]:
+        if i < spans[0] or op in arguments:
             return -1
         lo, hi = 0, len(spans) - 1
         while lo < hi:
