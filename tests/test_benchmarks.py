@@ -266,3 +266,24 @@ def test_budget_sweep_benchmark_quick(tmp_path):
         assert plan["tensors_mib"] + plan["slack_mib"] <= 1.25 * plan["measured_mib"]
     assert "| GPT2 | %d | 0.7 × plain |" % len(result["plans"]) in stdout
     assert "| GPT2 | %d | " % len(result["plans"]) in stdout.split(budget_sweep.ERROR_SECTION)[1]
+
+
+def test_budget_replay_settles_the_loop_on_stored_plans(tmp_path):
+    """A two-model sweep: one with a plan at 92% of its budget (the loop
+    settles within 10% in every draw), one whose every plan measures far
+    over its estimate and the budget (no draw is within)."""
+    def plans(pairs, plain):
+        return [dict(estimated_mib=e, plain_estimated_mib=plain, measured_mib=m) for e, m in pairs]
+    sweep = dict(budgets=[0.5], results=[
+        dict(model="fits", plain_mib=200.0, plans=plans(
+            [(40, 45), (70, 75), (86, 92), (120, 130)], 200.0)),
+        dict(model="over", plain_mib=200.0, plans=plans([(40, 190), (60, 210)], 200.0))])
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(sweep))
+    stdout = _run(["benchmarks.budget_replay", "--sweep", str(path), "--draws", "5",
+                   "--plan-noise", "0", "--call-noise", "0", "--stem", "r"], tmp_path)
+    data = json.loads((tmp_path / "r.json").read_text())
+    fits, over = data["variants"]["the loop"]
+    assert fits["model"] == "fits" and fits["band"] == fits["within"] == fits["held"] == 5
+    assert over["within"] == 0 and over["budget_error"] == 5
+    assert "| the loop | 10 |" in stdout

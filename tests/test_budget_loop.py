@@ -3,7 +3,8 @@ thousands of calls of scripted worlds: plans with estimates, what each
 measures (a ratio and an offset off its estimate, a per-plan error, per-call
 noise, a creep of the allocator's free chunks), and an allocator that refuses
 calls past a cap. No model runs: the step plans as memsave's planner asks
-the loop, and the meter reads the world's figure.
+the loop, and the meter reads the world's figure (the planner and meter of
+``benchmarks.budget_replay``, which replays the stored budget sweep so).
 
 The loop's states (first plan, replan, a replan between, a second replan, the
 lowest plan, a confirmation once the other plan is let go, a refused call
@@ -18,29 +19,13 @@ import random
 import pytest
 import tensorflow as tf
 
-from memsave import budget, profile
+from benchmarks import budget_replay
+from benchmarks.budget_replay import Plan, planned
+from memsave import budget
 from memsave.errors import BudgetError
 
 MIB = 2 ** 20
 CALLS = 48
-
-
-class _Settings:
-    """The part of the planner's settings the loop reads and replaces."""
-
-    def __init__(self, promise):
-        self.budget = promise
-
-    def replace(self, budget):   # pylint: disable=redefined-outer-name
-        return _Settings(budget)
-
-
-class _Plan:
-    """What memsave.planner gives the loop: an estimate, plain's, what is kept."""
-
-    def __init__(self, index, estimate, plain):
-        self.index, self.estimated_peak_bytes, self.plain_peak_bytes = index, estimate, plain
-        self.kept = ["kept_%d:0" % index] if estimate < plain else []
 
 
 class _World:
@@ -50,7 +35,7 @@ class _World:
         rng = self.rng = random.Random(seed)
         self.promise = rng.uniform(10, 500) * MIB
         plain = self.promise * rng.uniform(1.2, 4)
-        self.plans = [_Plan(i, e, plain) for i, e in enumerate(
+        self.plans = [Plan(e, plain, index=i) for i, e in enumerate(
             sorted(rng.uniform(0.2, 1.0) * plain for _ in range(rng.randint(2, 12))))]
         self.ratio, self.offset = rng.uniform(0.7, 1.6), rng.uniform(-0.1, 0.3) * self.promise
         self.noise = rng.uniform(0, 0.08)
@@ -79,19 +64,7 @@ class _Step:
         world = self.world
         if self.plan is None:
             world.traces += 1
-            loop = budget.active()
-            target = loop.planning(_Settings(world.promise)).budget
-            fitting = [p for p in world.plans if p.estimated_peak_bytes <= target]
-            if fitting:
-                self.plan = fitting[-1]
-            else:
-                error = BudgetError("no plan fits")
-                error.smallest = world.plans[0].estimated_peak_bytes
-                loop.unfit(error)
-                if not loop.takes_lowest():
-                    raise error
-                self.plan = world.plans[0]
-            loop.record(self.plan)
+            self.plan = planned(world.plans, world.promise)
         world.peak = world.measure(self.plan)
         if world.peak > world.cap:
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
@@ -99,21 +72,11 @@ class _Step:
 
 
 @pytest.fixture
-def scripted_meter(monkeypatch):
+def scripted_meter():
     """The meter reads the world's figure; nothing is collected or profiled."""
     worlds = []
-
-    def measured_call(step, *args, device=None, **kwargs):   # pylint: disable=unused-argument
-        out = step(*args, **kwargs)
-        return out, worlds[-1].peak
-    monkeypatch.setattr(profile, "measured_call", measured_call)
-    monkeypatch.setattr(profile, "profiled_call",
-                        lambda step, *a, device=None, strict=True, **k: (step(*a, **k), None))
-    monkeypatch.setattr(profile, "memory_info", lambda *a, **k: {"current": 0, "peak": 0})
-    monkeypatch.setattr(budget, "_meter_base", lambda: 0)
-    monkeypatch.setattr(budget, "_peak_since", lambda base: worlds[-1].peak)
-    monkeypatch.setattr(budget.gc, "collect", lambda *a: 0)
-    return worlds
+    with budget_replay.scripted_meter(worlds):
+        yield worlds
 
 
 def _drive(world):
