@@ -564,7 +564,7 @@ class Loop:
 
     def _observe_replan(self, measured, refused, spread):
         """:meth:`observe` for the replan (or the lowest plan after it)."""
-        promise, estimate, mib = self.trace.promise, self.trace.estimate, 2 ** 20
+        promise = self.trace.promise
         # Within the budget, with the run-to-run noise (no lower plan is left
         # below the lowest).
         fits = self.fits(spread, lowest=self.trace.lowest)
@@ -581,17 +581,7 @@ class Loop:
         if over and self._kept_after_drift(measured, refused, fits):
             return None
         if over and (self.trace.lowest or self.last_resort):
-            raise BudgetError(
-                "no plan fits a budget of %.1f MiB on the allocator: the %s plan "
-                "%s %.1f MiB%s (estimated %.1f; the first plan was estimated %.1f and "
-                "%s %.1f MiB)" % (
-                    promise / mib, "lowest" if self.trace.lowest else "last",
-                    _measured_as(refused), measured / mib,
-                    "; the allocator refused its call, which was undone" if refused else
-                    "" if measured > promise else
-                    ", more than %.0f%% of the budget, within its calls' variation"
-                    % (100 * fits / promise), estimate / mib, self.first[0] / mib,
-                    _measured_as(self.first_refused), first / mib))
+            raise self._last_plan_over(measured, refused, fits)
         said = self._said_after_replan(measured, refused)
         if back and not self.replanned_again and measured > fits:
             between = self._replan_between(measured, spread, said)
@@ -623,6 +613,22 @@ class Loop:
         self.confirming = (("first", self.first_was_lowest, first) if back else
                            (_plan_on_trial(self), self.trace.lowest, measured))
         return FIRST if back else None
+
+    def _last_plan_over(self, measured, refused, fits):
+        """The BudgetError of the lowest plan (or the last resort) measured past
+        its margin ``fits``: no plan is left to turn to."""
+        promise, mib = self.trace.promise, 2 ** 20
+        return BudgetError(
+            "no plan fits a budget of %.1f MiB on the allocator: the %s plan "
+            "%s %.1f MiB%s (estimated %.1f; the first plan was estimated %.1f and "
+            "%s %.1f MiB)" % (
+                promise / mib, "lowest" if self.trace.lowest else "last",
+                _measured_as(refused), measured / mib,
+                "; the allocator refused its call, which was undone" if refused else
+                "" if measured > promise else
+                ", more than %.0f%% of the budget, within its calls' variation"
+                % (100 * fits / promise), self.trace.estimate / mib, self.first[0] / mib,
+                _measured_as(self.first_refused), self.first[1] / mib))
 
     def _kept_after_drift(self, measured, refused, fits):
         """Whether a drift replan (training under way) that came to the lowest
