@@ -56,10 +56,10 @@ the pre-step baseline), kept by a loop around the training step:
    first, the first plan kept to go back to, unless the replan's planning
    graph, planned again for that estimate, keeps what the first plan kept
    (then the loop goes back to the first plan at once). Where both
-   plans fit but measured more than :data:`TOLERANCE` below the budget, a
-   second replan from the closer of the two, on the measured bytes per
-   estimated byte between them, is tried, the closer kept to go back to
-   (see :meth:`Loop._replan_closer`). A replan
+   plans fit but measured more than :data:`TOLERANCE` below the budget, and
+   their calls vary less than :data:`AIM` leaves, a second replan from the
+   closer of the two, on the measured bytes per estimated byte between them,
+   is tried, the closer kept to go back to (see :meth:`Loop._replan_closer`). A replan
    over it, with no first plan within it, is followed by a second replan
    for the safer of both plans' errors (see :meth:`Loop._replan_again`),
    and one over it too by the lowest plan, each measured alone, the
@@ -722,13 +722,19 @@ class Loop:
         tokens under 70% of plain's peak: a replan for 93.5% of the budget, by
         the first plan's error, measured 90%, then 85% once the first plan was
         let go), as wide as the band. None where the two tell no slope (the
-        same estimate), or the plan for that target is the closer one."""
+        same estimate), the plan for that target is the closer one, or either
+        plan's calls spread wider than :data:`AIM` leaves below the budget: a
+        step whose calls vary so much cannot be placed within the band, and a
+        plan settled closer to it has a later call over the budget sooner
+        (BERT at 4 x 128 tokens with SGD updates: calls 8% apart, a later one
+        104% of a budget)."""
         promise, estimate = self.trace.promise, self.trace.estimate
         first_estimate, first = self.first
-        low = (1 - TOLERANCE) * promise
+        low, steady = (1 - TOLERANCE) * promise, AIM * promise
         if (self.first_refused or self.drift_replans or first > self.first_fits
                 or measured > self.fits(spread) or max(first, measured) >= low
-                or estimate == first_estimate):
+                or estimate == first_estimate
+                or min(self.first_fits, self.fits(spread)) < steady):
             return None
         # Each byte above the closer plan is taken to measure as many bytes as
         # between the two, and no fewer than 1 / UPWARD_SLOPE (upward replans
