@@ -345,7 +345,10 @@ def in_graph(values, graph, like=()):
     out = []
     for i, v in enumerate(values):
         if isinstance(v, tf.IndexedSlices):
-            v = tf.IndexedSlices(one(v.values), one(v.indices), one(v.dense_shape))
+            parts = (v.values, v.indices, v.dense_shape)
+            made = tuple(one(c) for c in parts)
+            if any(a is not b for a, b in zip(made, parts)):
+                v = tf.IndexedSlices(*made)
         else:
             v = one(v, hints[i] if i < len(hints) else None)
         out.append(v)
@@ -645,7 +648,8 @@ _local_skip = threading.local()
 @contextlib.contextmanager
 def fast_reachability(skip=None, prunable=None, barred=None):
     """Within the block, tf.gradients walks with :func:`_mark_reached_ops`
-    (on every thread: the answer is TF's own, so other callers only gain).
+    and logs with :func:`_log_op_gradients` (on every thread: the answers
+    are TF's own, so other callers only gain).
 
     ``skip``: ``(graph, lo, hi)``, ops of ``graph`` with ids in ``[lo, hi)``
     that the next walk on this thread does not enter. The caller vouches
