@@ -726,8 +726,8 @@ class Loop:
         plan's calls spread wider than :data:`AIM` leaves below the budget: a
         step whose calls vary so much cannot be placed within the band, and a
         plan settled closer to it has a later call over the budget sooner
-        (BERT at 4 x 128 tokens with SGD updates: calls 8% apart, a later one
-        104% of a budget)."""
+        (BERT at 4 x 128 tokens with SGD updates: one plan's three calls at
+        79-87% of a budget)."""
         promise, estimate = self.trace.promise, self.trace.estimate
         first_estimate, first = self.first
         low, steady = (1 - TOLERANCE) * promise, AIM * promise
