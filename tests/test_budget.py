@@ -1270,32 +1270,33 @@ def _tracked_step():
     return budget.MeasuredStep(build, "test"), made
 
 
+def _step_observed(step, estimate, measured, refused=False):
+    """``step`` observes a plan of ``estimate`` measured at ``measured`` under a
+    budget of 100, as :func:`_observed` for a loop."""
+    step.loop.trace.promise, step.loop.trace.estimates = 100, [estimate]
+    step._observe(measured, refused=refused)   # pylint: disable=protected-access
+
+
 def test_a_second_replan_between_two_plans_keeps_the_first_to_go_back_to():
     step, made = _tracked_step()
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [81]
-    step._observe(78)   # pylint: disable=protected-access
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [92]
-    step._observe(100)   # pylint: disable=protected-access
+    _step_observed(step, 81, 78)
+    _step_observed(step, 92, 100)
     assert step.loop.between and len(made) == 3
     assert made[0]() is step._first is not None   # pylint: disable=protected-access
     assert made[1]() is None   # the replan on trial went
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [88]
-    step._observe(97)   # pylint: disable=protected-access
+    _step_observed(step, 88, 97)
     assert step._step is made[0]() and step._first is None   # pylint: disable=W0212
     assert made[2]() is None
 
 
 def test_a_second_replan_from_the_closer_replan_keeps_the_replan_to_go_back_to():
     step, made = _tracked_step()
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [72]
-    step._observe(72)   # pylint: disable=protected-access
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [92]
-    step._observe(88)   # pylint: disable=protected-access
+    _step_observed(step, 72, 72)
+    _step_observed(step, 92, 88)
     assert len(made) == 3 and not step.loop.swap_first
     assert made[1]() is step._first is not None   # pylint: disable=protected-access
     assert made[0]() is None   # the first plan went
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [99]
-    step._observe(97)   # pylint: disable=protected-access
+    _step_observed(step, 99, 97)
     assert step._step is made[1]() and step._first is None   # pylint: disable=W0212
     assert made[2]() is None
 
@@ -1307,14 +1308,12 @@ def test_a_refused_first_plan_is_let_go_before_the_replan_is_built():
     crashed the process where an allocation it needed failed (found by a
     helper)."""
     step, made = _tracked_step()
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [60]
-    step._observe(120, refused=True)   # pylint: disable=protected-access
+    _step_observed(step, 60, 120, refused=True)
     assert len(made) == 2 and made[0]() is None
     assert step._first is None         # pylint: disable=protected-access
     # A first plan measured over the budget, not refused, stays to go back to.
     step, made = _tracked_step()
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [60]
-    step._observe(120)   # pylint: disable=protected-access
+    _step_observed(step, 60, 120)
     assert made[0]() is step._first is not None   # pylint: disable=protected-access
 
 
@@ -1322,11 +1321,9 @@ def test_the_plans_before_a_second_replan_are_let_go_before_it_is_built():
     """The loop goes back to no plan from a second replan, so it is measured
     alone: the first plan's and the replan's functions go before it is built."""
     step, made = _tracked_step()
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [80]
-    step._observe(120)   # pylint: disable=protected-access
+    _step_observed(step, 80, 120)
     assert made[0]() is step._first is not None   # pylint: disable=protected-access
-    step.loop.trace.promise, step.loop.trace.estimates = 100, [70]
-    step._observe(110)   # pylint: disable=protected-access
+    _step_observed(step, 70, 110)
     assert step.loop.replanned_again and len(made) == 3
     assert made[0]() is None and made[1]() is None
     assert step._first is None   # pylint: disable=protected-access
