@@ -93,7 +93,7 @@ def _shortest_cuts(last_use, keep_bytes, prefix, limit, dying=None):
         if last_use[b] > b:
             shift += keep_bytes[b]
         cand = dist[lo:b + 1] + added[lo:b + 1]
-        k = int(np.argmin(cand))
+        k = int(cand.argmin())
         dist[b + 1] = cand[k] + shift
         back[b + 1] = lo + k
     cuts, c = [], m

@@ -144,7 +144,8 @@ def _memo(p, kind, kept, make):
 def _closures(p, kept):
     """What backprop recomputes per segment with kept indices ``kept``, walked
     once per kept set: ``(top, below)``, ``top`` the ys' segment and
-    ``below[k]`` kept node ``k``'s, each ``(sorted members, kept nodes they read)``.
+    ``below[k]`` kept node ``k``'s, each ``(sorted members, kept nodes they
+    read, the members as a frozenset)``.
 
     The searches simulate many kept sets that differ in a few places
     (:func:`recompute_once` grows one a few nodes per round; a bisection
@@ -164,9 +165,16 @@ def _closures(p, kept):
         top = (_remembered(walks, None, kept, at_ys)
                or _remember(walks, None, _walk(p, p.ys, kept), p.ys, at_ys))
         # A kept node's own walk starts at it, kept: nothing to compare there.
-        below = {k: (_remembered(walks, k, kept, None)
-                     or _remember(walks, k, _walk(p, [k], kept), [k], None))
-                 for k in kept if p.live[k]}
+        # (The planner's hottest loop after the simulation: _remembered inlined.)
+        below, live, get = {}, p.live, walks.get
+        for k in kept:
+            if live[k]:
+                for walk, inner, _ in get(k, ()):
+                    if kept.isdisjoint(inner) and walk[1] <= kept:
+                        break
+                else:
+                    walk = _remember(walks, k, _walk(p, [k], kept), [k], None)
+                below[k] = walk
         found = p.memo[key] = (top, below)
     return found
 
@@ -188,15 +196,17 @@ def _remember(walks, key, walk, boundary, at_boundary):
     """Remember ``walk`` (of ``boundary``, whose kept nodes were ``at_boundary``)
     under ``key``, newest first; return it."""
     remembered = walks.setdefault(key, [])
-    remembered.insert(0, (walk, frozenset(walk[0]).difference(boundary), at_boundary))
+    remembered.insert(0, (walk, walk[2].difference(boundary), at_boundary))
     del remembered[_WALKS_REMEMBERED:]
     return walk
 
 
 def _walk(p, boundary, kept):
-    """(sorted :func:`_closure` of ``boundary``, the kept nodes its members read)."""
-    members = sorted(_closure(p, boundary, kept))
-    return members, {q for n in members for q in p.preds[n] if q in kept}
+    """(sorted :func:`_closure` of ``boundary``, the kept nodes its members
+    read, the members as a frozenset)."""
+    closure = frozenset(_closure(p, boundary, kept))
+    members = sorted(closure)
+    return members, {q for n in members for q in p.preds[n] if q in kept}, closure
 
 
 def _gradient_pieces(graph, names, index):
@@ -234,7 +244,7 @@ def _segments(p, kept):
     """[(boundary, members, kept nodes read)] as the rewrite forms them (walks
     stop at kept nodes)."""
     top, below = _closures(p, kept)
-    return [(p.ys,) + top] + [([k],) + below[k] for k in sorted(below, reverse=True)]
+    return [(p.ys,) + top[:2]] + [([k],) + below[k][:2] for k in sorted(below, reverse=True)]
 
 
 def _closure(p, boundary, kept):
@@ -275,10 +285,18 @@ def _rewrite_segments(p, kept):
         # (A kept node is no ancestor of itself: its walk never reads it.)
         reads = below[k][1]
         level[k] = 1 + max(map(depth, reads)) if reads else 0
-    by_level = collections.defaultdict(set)
-    for k, (members, _) in below.items():
-        by_level[level[k]].update(members)
-    return [set(top[0])] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
+    # A level of one kept node (most are) is its walk's members as they are.
+    by_level = {}
+    for k, (_, _, members) in below.items():
+        lv = level[k]
+        joined = by_level.get(lv)
+        if joined is None:
+            by_level[lv] = members
+        elif isinstance(joined, frozenset):
+            by_level[lv] = joined | members
+        else:
+            joined |= members
+    return [top[2]] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
 
 
 def recompute_cost(graph, kept, prepared=None):
