@@ -245,6 +245,9 @@ class Loop:
         # The replan became the first plan (see _replan_closer): the step keeps
         # its function to go back to, and lets the first plan's go.
         self.swap_first = False
+        # What the logs call the plan gone back to: the first plan, or the
+        # replan that a closer replan took as first.
+        self.first_name = "first plan"
         self.last_resort = False   # that one measured over too: the lowest plan, once
         self.done = False
         self.peaks = []            # every measured call's peak, in order (the promise's record)
@@ -603,7 +606,7 @@ class Loop:
             logger.warning("%s, over %.0f%% of the budget; planning for the lowest peak",
                            said, 100 * fits / promise)
             return REPLAN
-        logger.info("%s%s", said, "; back to the first plan" if back else "")
+        logger.info("%s%s", said, "; back to the %s" % self.first_name if back else "")
         if not back:
             self._say_lowest_above_margin(measured, spread)
         if self.keeps_no_other_plan:
@@ -649,9 +652,9 @@ class Loop:
     def _said_after_replan(self, measured, refused):
         """The log line of a measured replan: both plans' estimates and figures."""
         mib = 2 ** 20
-        return ("memsave: %s: budget %.1f MiB; first plan estimated %.1f, %s %.1f "
+        return ("memsave: %s: budget %.1f MiB; %s estimated %.1f, %s %.1f "
                 "MiB; %s %.1f, %s %.1f MiB" % (
-                    self.where, self.trace.promise / mib, self.first[0] / mib,
+                    self.where, self.trace.promise / mib, self.first_name, self.first[0] / mib,
                     _measured_as(self.first_refused), self.first[1] / mib,
                     "the lowest plan estimated" if self.last_resort else
                     "replanned again to estimate" if self.replanned_again else
@@ -744,14 +747,17 @@ class Loop:
         slope = max((measured - first) / (estimate - first_estimate), 1 / UPWARD_SLOPE)
         widest = min(self.first_fits, self.fits(spread))
         aim = (self.replan_aim - (AIM * promise - widest) / promise) * promise
-        earlier = (self.first, self.first_trace, self.first_fits, self.first_refused)
+        earlier = (self.first, self.first_trace, self.first_fits, self.first_refused,
+                   self.first_name)
         closer_is_replan = measured >= first and not back
         if closer_is_replan:
             self._take_as_first(self.trace, measured, False, spread)
+            self.first_name = "replan"
         base_estimate, base = self.first
         target = min(base_estimate + (aim - base) / slope, self._upward_bound(promise))
         if target <= base_estimate or self._plans_the_first(target):
-            (self.first, self.first_trace, self.first_fits, self.first_refused) = earlier
+            (self.first, self.first_trace, self.first_fits, self.first_refused,
+             self.first_name) = earlier
             return None
         self.swap_first = closer_is_replan
         self.correction = lambda budget: target
@@ -783,8 +789,9 @@ class Loop:
             return False
         if list(plan.kept) != list(self.first_kept[0]):
             return False
-        logger.info("memsave: %s: the plan for %.1f MiB estimated, between the first plan and "
-                    "the replan, is the first plan", self.where, bound / 2 ** 20)
+        logger.info("memsave: %s: the plan for %.1f MiB estimated, between the %s and "
+                    "the replan, is the %s", self.where, bound / 2 ** 20, self.first_name,
+                    self.first_name)
         return True
 
     def _observe_confirmation(self, measured, refused, spread):
@@ -805,9 +812,11 @@ class Loop:
         promise, mib = self.trace.promise, 2 ** 20
         fits = self.fits(spread, lowest=True)
         self.confirming, self.done = None, True
-        said = ("memsave: %s: budget %.1f MiB; the %s plan measured %.1f MiB while the "
+        said = ("memsave: %s: budget %.1f MiB; the %s measured %.1f MiB while the "
                 "other plan's function was alive, and %s %.1f MiB once it was let go" % (
-                    self.where, promise / mib, plan, before / mib, _measured_as(refused),
+                    self.where, promise / mib,
+                    self.first_name if plan == "first" else plan + " plan", before / mib,
+                    _measured_as(refused),
                     measured / mib))
         if measured <= fits and not refused:
             self.settle(self.first_trace if plan == "first" else self.trace, fits)
@@ -1214,10 +1223,11 @@ class MeasuredStep:
         if loop.replanned and first:
             self._step, self._first = self._first, None
             loop.settle(loop.first_trace, loop.first_fits)
-            logger.warning("%s; back to the first plan, measured %.1f MiB",
-                           said, loop.first[1] / mib)
-            return BudgetError(said + "; the next calls run the first plan, measured %.1f "
-                               "MiB: %s" % (loop.first[1] / mib, _oom_line(error)))
+            logger.warning("%s; back to the %s, measured %.1f MiB",
+                           said, loop.first_name, loop.first[1] / mib)
+            return BudgetError(said + "; the next calls run the %s, measured %.1f "
+                               "MiB: %s" % (loop.first_name, loop.first[1] / mib,
+                                            _oom_line(error)))
         self._unfit = BudgetError(said + "; no plan is known to fit it (a first plan aims at "
                                   "%.0f%% of the budget on its estimate): %s" % (
                                       100 * FIRST_AIM, _oom_line(error)))

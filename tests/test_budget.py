@@ -300,12 +300,17 @@ def test_a_replan_that_lands_below_the_band_is_followed_by_one_from_the_closer_p
     # Within the band: kept, measured again once the other plan is let go.
     assert _observed(loop, 100, 99, 93) is None and _confirmed(loop, 93)
     assert loop.settled_target == pytest.approx(closer) and loop.replans == 2
-    # Past its margin: back to the closer plan, with no third replan.
+    # Past its margin: back to the closer plan, with no third replan; the
+    # log names it the replan it is, not the first plan.
     loop = budget.Loop("test")
     assert _observed(loop, 100, 72, 72) == budget.REPLAN
     assert _observed(loop, 100, 92, 88) == budget.REPLAN
-    assert _observed(loop, 100, 99, 97) == budget.FIRST and _confirmed(loop, 88)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memsave"):
+        assert _observed(loop, 100, 99, 97) == budget.FIRST and _confirmed(loop, 88)
     assert loop.replans == 2 and not loop.last_resort
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "back to the replan" in said and "first plan" not in said
     # A replan that measured less than its first plan: once more from the
     # first plan, at no less than 1 / UPWARD_SLOPE measured bytes per byte.
     loop = budget.Loop("test")
