@@ -195,7 +195,11 @@ def _tracked(tape, tensors):
 def _zeros_for(raw, graph_tensor):
     """What the plain tape returns for an unconnected source with ZERO."""
     if tf_internal.is_resource_variable(raw):
-        return tf.zeros(raw.shape, dtype=_variable_dtype(raw))
+        if raw.shape.is_fully_defined():
+            return tf.zeros(raw.shape, dtype=_variable_dtype(raw))
+        # Declared with unknown dimensions: sized by its value, read here,
+        # as the plain tape does.
+        return tf.zeros_like(raw)
     return tf_internal.default_zeros_like(graph_tensor if graph_tensor is not None else raw)
 
 
@@ -217,8 +221,26 @@ def _grad_in_graph(g, graph):
     found = _in_graph(g, graph)
     if found is not None:
         return found
+    if _is_graph_tensor(g) and not _encloses(g.graph, graph):
+        # Made in a graph inside the targets' (a cond branch, a loop body, a
+        # nested function that calls gradient()): memsave's backward pass is
+        # built in the targets' graph, which cannot read it.
+        raise _Fallback("inner-output-gradient", "memsave: GradientTape.gradient got an "
+                        "output gradient made inside a tf.cond branch, loop body or nested "
+                        "function, which the targets' graph cannot read; the plain "
+                        "tf.GradientTape is used for such calls")
     with graph.as_default():
         return tf.identity(g)  # captures an eager or outer-graph tensor
+
+
+def _encloses(outer, graph):
+    """Whether ``outer`` is ``graph`` or a graph it is nested in (so ``graph``
+    can capture ``outer``'s tensors)."""
+    while graph is not None:
+        if graph is outer:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _checked_inputs(target, sources, output_gradients):

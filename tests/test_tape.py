@@ -189,6 +189,60 @@ def test_unconnected_source_none_and_zero(rewrites):
     assert ours[0] is None
 
 
+def test_zero_for_an_unconnected_variable_of_unknown_shape(rewrites):
+    # Declared with an unknown batch dimension and never read: the plain tape
+    # gives zeros of its value's shape; memsave crashed converting (None, 2).
+    ws, x = _variables(6, seed=4), _input()
+    unused = tf.Variable(np.ones((3, 2), np.float32), shape=tf.TensorShape([None, 2]))
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape() as tape:
+                loss = tf.reduce_sum(chain(ws, x))
+            return tape.gradient(loss, [unused] + ws,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return f()
+
+    plain, ours = _both(step)
+    assert_same(plain, ours)
+    assert ours[0].shape == (3, 2) and rewrites
+
+
+@pytest.mark.parametrize("inside", ["cond", "loop", "function"])
+def test_output_gradients_made_inside_a_branch_loop_or_function(inside, rewrites, caplog):
+    # gradient() called in a tf.cond branch, a loop body or a nested function,
+    # seeded with a tensor made there: memsave builds its backward pass in the
+    # targets' graph, which cannot read that tensor, so the plain tape answers
+    # (memsave crashed with InaccessibleTensorError).
+    ws, x = _variables(8, seed=5, scale=0.3), _input()
+
+    def step(make_tape):
+        @tf.function
+        def f():
+            with make_tape(persistent=True) as tape:
+                loss = tf.reduce_sum(chain(ws, x) ** 2)
+
+            def grads(scale):
+                return tape.gradient(loss, ws[:2], output_gradients=scale)
+            if inside == "cond":
+                return tf.cond(tf.reduce_sum(x) > -1e9, lambda: grads(tf.reduce_mean(x) * 0 + 2),
+                               lambda: [tf.zeros_like(w) for w in ws[:2]])
+            if inside == "loop":
+                def body(i, total):
+                    return i + 1, total + grads(tf.cast(i + 1, tf.float32))[0]
+                return tf.while_loop(lambda i, _: i < 3, body, [0, tf.zeros_like(ws[0])])[1]
+            return tf.function(grads)(tf.constant(2.0))
+        return f()
+
+    reset_warnings()
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        plain, ours = _both(step)
+    assert_same(plain, ours)
+    assert any("made inside a tf.cond branch, loop body or nested function" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_planning_options_are_passed(rewrites):
     ws, x = _variables(12, seed=18, scale=0.3), _input()
 
