@@ -111,6 +111,51 @@ def test_tape_passes_when_right():
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12)
 
 
+def test_non_finite_gradients_that_plain_has_too_pass():
+    # An overflowing step (float16 under a loss scale, which then skips it) or
+    # sqrt at 0 gives inf and NaN gradients in plain backprop too: the check
+    # compared inf - inf = NaN against its tolerance and failed the step.
+    rng = np.random.RandomState(9)
+    ws = [tf.Variable((0.3 * rng.randn(8, 8)).astype(np.float32)) for _ in range(4)]
+    x = tf.constant(rng.randn(4, 8).astype(np.float32))
+
+    @tf.function
+    def step(make_tape):
+        with make_tape() as tape:
+            h = x
+            for w in ws:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(tf.sqrt(tf.nn.relu(h)))   # d sqrt(0) = inf
+        return tape.gradient(loss, ws)
+
+    plain = step(tf.GradientTape)
+    ours = step(lambda: memsave.GradientTape(checkpoints="speed", min_checkpoint_size=0,
+                                             fallback=False, verify=True))
+    assert not all(np.isfinite(g.numpy()).all() for g in plain)
+    for a, b in zip(plain, ours):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("plain,ours,agree", [
+    ([np.inf, -np.inf, np.nan, 2.0], [np.inf, -np.inf, np.nan, 2.0], True),
+    ([np.inf, 1.0], [1.0, 1.0], False),          # finite where plain overflowed
+    ([np.inf, 1.0], [-np.inf, 1.0], False),
+    ([np.nan, 1.0], [0.0, 1.0], False),
+    ([np.inf, 1000.0], [np.inf, 0.0], False),    # an inf elsewhere scales nothing
+    ([np.inf, 1000.0], [np.inf, 1000.01], True),
+])
+def test_the_check_compares_non_finite_entries_as_equal_or_apart(plain, ours, agree):
+    pair = [(tf.constant(plain, tf.float64), tf.constant(ours, tf.float64))]
+
+    def check():
+        return verify._assert_close(pair, ["w"], 1e-4)
+    if agree:
+        check()
+    else:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="memsave"):
+            check()
+
+
 def test_kept_loop_is_read_not_run_again(caplog):
     """A loop with a stateful body cannot run again: the check reads its
     outputs (and its gradient's tensors), and still passes when right."""
