@@ -177,10 +177,14 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **options):
 
     ``tf.gradients``' own keywords (``name``, ``gate_gradients``,
     ``aggregation_method``, ``stop_gradients``, ``unconnected_gradients``,
-    ``colocate_gradients_with_ops``) mean what they mean there. Works in a
-    ``tf.compat.v1`` Graph and inside ``tf.function``.
+    ``colocate_gradients_with_ops``) mean what they mean there. Gradient ops
+    are colocated with their forward ops unless ``colocate_gradients_with_ops=False``,
+    as TF2's ``tf.gradients`` always does (``tf.compat.v1.gradients``, patched,
+    keeps its own default of not colocating). Works in a ``tf.compat.v1`` Graph
+    and inside ``tf.function``.
     """
     passed = {k: options.pop(k) for k in TF_GRADIENTS_OPTIONS if k in options}
+    passed.setdefault("colocate_gradients_with_ops", True)
     settings = resolve(checkpoints, options, "memsave.gradients", extra=TF_GRADIENTS_OPTIONS)
     return differentiate(ys, xs, grad_ys, settings, **passed)
 

@@ -122,7 +122,9 @@ def _make_v2(original):
     def gradients(ys, xs, grad_ys=None, name="gradients", gate_gradients=False,
                   aggregation_method=None, stop_gradients=None,
                   unconnected_gradients=tf.UnconnectedGradients.NONE):
+        # TF2's tf.gradients always colocates gradient ops with their forward ops.
         return _route(original, ys, xs, grad_ys, name, dict(
+            colocate_gradients_with_ops=True,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
     gradients.__memsave_original__ = original

@@ -297,3 +297,57 @@ def test_recompute_grad_under_a_patched_tape(checkpoints, how):
     scale = max(np.abs(a).max() for a in plain)
     for a, b in zip(plain, ours):
         np.testing.assert_allclose(b.numpy(), a, rtol=0, atol=1e-12 * scale)
+
+
+def _two_device_chain():
+    """A Graph whose first four layers ask for CPU:0 and last four for CPU:1
+    (placement happens at run time: no such device is needed to build it)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        h = tf.constant(rng.randn(8, 16))
+        ws = []
+        for i in range(8):
+            with tf.device("/device:CPU:%d" % (i // 4)), tf.name_scope("layer%d" % i):
+                ws.append(tf.Variable(rng.randn(16, 16) * 0.3))
+                h = tf.tanh(tf.matmul(h, ws[-1]))
+        loss = tf.reduce_sum(h * h)
+    return graph, loss, ws
+
+
+def _misplaced_gradient_ops(graph):
+    """Gradient ops of a layer's forward ops whose device is not that layer's."""
+    wrong = []
+    for op in graph.get_operations():
+        if "_grad/" not in op.name:
+            continue
+        for i in range(8):
+            if "layer%d/" % i in op.name and "CPU:%d" % (i // 4) not in op.device:
+                wrong.append((op.name, op.device))
+    return wrong
+
+
+@pytest.mark.parametrize("entry", ["memsave.gradients", "patched tf.gradients"])
+def test_gradient_ops_are_colocated_with_their_forward_ops(entry):
+    # TF2's tf.gradients always colocates; memsave did not, so the backward
+    # ops of layers under tf.device('/CPU:1') ran on CPU:0 (values unchanged,
+    # placement and memory wrong).
+    graph, loss, ws = _two_device_chain()
+    with graph.as_default():
+        if entry == "memsave.gradients":
+            grads = memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0,
+                                      fallback=False)
+        else:
+            with memsave.patch("memory", min_checkpoint_size=0, fallback=False):
+                grads = tf.gradients(loss, ws)
+    assert all(g is not None for g in grads)
+    assert any(op.name.startswith("memsave") for op in graph.get_operations())
+    assert not _misplaced_gradient_ops(graph)
+
+
+def test_colocation_can_be_turned_off_as_in_tf_compat_v1():
+    graph, loss, ws = _two_device_chain()
+    with graph.as_default():
+        memsave.gradients(loss, ws, checkpoints="memory", min_checkpoint_size=0,
+                          fallback=False, colocate_gradients_with_ops=False)
+    assert _misplaced_gradient_ops(graph)
