@@ -292,8 +292,8 @@ def _rewrite_segments(p, kept):
         joined = by_level.get(lv)
         if joined is None:
             by_level[lv] = members
-        elif isinstance(joined, frozenset):
-            by_level[lv] = joined | members
+        elif isinstance(joined, frozenset):   # a walk's own set: joined in a new one
+            by_level[lv] = set(joined).union(members)
         else:
             joined |= members
     return [top[2]] + [by_level[lv] for lv in sorted(by_level, reverse=True)]
