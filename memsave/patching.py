@@ -95,12 +95,15 @@ def current():
 # ---------------------------------------------------------------------------
 # tf.gradients and friends.
 
-def _route(original, ys, xs, grad_ys, name, kwargs):
+def _route(original, ys, xs, grad_ys, name, kwargs, implied=None):
+    """``implied``: what the original does without taking it as an argument
+    (TF2's ``tf.gradients`` colocates), passed to memsave only."""
     level = current()
     if level is None:
         # A wrapper someone kept a reference to after unpatch(): TF's answer.
         return original(ys, xs, grad_ys=grad_ys, name=name, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs.update(implied or {})
     return api.differentiate(ys, xs, grad_ys, level.settings, name=name, **kwargs)
 
 
@@ -124,9 +127,9 @@ def _make_v2(original):
                   unconnected_gradients=tf.UnconnectedGradients.NONE):
         # TF2's tf.gradients always colocates gradient ops with their forward ops.
         return _route(original, ys, xs, grad_ys, name, dict(
-            colocate_gradients_with_ops=True,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
+            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients),
+            implied=dict(colocate_gradients_with_ops=True))
     gradients.__memsave_original__ = original
     return gradients
 
