@@ -68,6 +68,7 @@ from tensorflow.autograph.experimental import do_not_convert
 from memsave import api
 from memsave import tf_internal
 from memsave.errors import GradientMismatchError, NoBottleneckError, TapeNoBottleneckError
+from memsave.graph.edit import is_outer_graph
 from memsave.graph.walk import backward_ops, differentiably_connected, forward_ops
 from memsave.log import logger, warn_once
 from memsave.settings import DEFAULT_CHECKPOINTS, resolve
@@ -221,7 +222,7 @@ def _grad_in_graph(g, graph):
     found = _in_graph(g, graph)
     if found is not None:
         return found
-    if _is_graph_tensor(g) and not _encloses(g.graph, graph):
+    if _is_graph_tensor(g) and not is_outer_graph(g.graph, graph):
         # Made in a graph inside the targets' (a cond branch, a loop body, a
         # nested function that calls gradient()): memsave's backward pass is
         # built in the targets' graph, which cannot read it.
@@ -231,16 +232,6 @@ def _grad_in_graph(g, graph):
                         "tf.GradientTape is used for such calls")
     with graph.as_default():
         return tf.identity(g)  # captures an eager or outer-graph tensor
-
-
-def _encloses(outer, graph):
-    """Whether ``outer`` is ``graph`` or a graph it is nested in (so ``graph``
-    can capture ``outer``'s tensors)."""
-    while graph is not None:
-        if graph is outer:
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
 
 
 def _checked_inputs(target, sources, output_gradients):

@@ -332,7 +332,7 @@ def graph_tensor(x, graph):
             raise ValueError("%r belongs to another graph than the one being differentiated" % (x,))
         return graph.capture(x)
     x_graph = getattr(x, "graph", None)
-    if x_graph is not None and _is_outer_graph(x_graph, graph):
+    if x_graph is not None and is_outer_graph(x_graph, graph):
         x = graph.capture(x)
     # Anything else is returned as it is; the caller reports a foreign graph.
     return x
@@ -351,7 +351,7 @@ def _variable_tensor(x):
     return x
 
 
-def _is_outer_graph(outer, graph):
+def is_outer_graph(outer, graph):
     """True if ``outer`` encloses the FuncGraph ``graph`` (so it can be captured)."""
     while isinstance(graph, tf_internal.FuncGraph):
         graph = graph.outer_graph
