@@ -178,24 +178,28 @@ def replay(results, budgets, draws, plan_noise, call_noise):
 
 # The loop's rules compared, each as a patch of memsave.budget.Loop (None: as it is).
 VARIANTS = (("the loop", None),
+            ("its second replan from the closer plan not bounded by CLOSER_SLOPE",
+             (None, "CLOSER_SLOPE", 1e-12)),   # a bound far above any target
             ("without the second replan from the closer plan",
-             ("_replan_closer", lambda self, *args: None)))
+             ("Loop", "_replan_closer", lambda self, *args: None)))
 
 
 def replay_variants(results, budgets, draws, plan_noise, call_noise):
-    """{variant: rows} for each of :data:`VARIANTS`."""
+    """{variant: rows} for each of :data:`VARIANTS`: each patches an attribute of
+    :mod:`memsave.budget` (or of one of its classes) for its replay."""
     from memsave import budget   # pylint: disable=import-outside-toplevel
     out = {}
     for label, patch in VARIANTS:
-        saved = None
+        owner = saved = None
         if patch is not None:
-            saved = getattr(budget.Loop, patch[0])
-            setattr(budget.Loop, patch[0], patch[1])
+            owner = budget if patch[0] is None else getattr(budget, patch[0])
+            saved = getattr(owner, patch[1])
+            setattr(owner, patch[1], patch[2])
         try:
             out[label] = replay(results, budgets, draws, plan_noise, call_noise)
         finally:
             if patch is not None:
-                setattr(budget.Loop, patch[0], saved)
+                setattr(owner, patch[1], saved)
     return out
 
 
