@@ -36,7 +36,8 @@ class PlanGraphError(_AutographReraisable, ValueError):
 
 
 class V1ControlFlowError(_AutographReraisable, ValueError):
-    """The region holds TF1 control flow, which memsave cannot recompute."""
+    """The region holds TF1 control flow that a gradient passes through, which
+    memsave cannot recompute."""
 
 
 class GradientMismatchError(_AutographReraisable, RuntimeError):

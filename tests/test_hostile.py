@@ -614,6 +614,42 @@ def test_v1_control_flow_raises_clearly(structure):
             tf.compat.v1.enable_control_flow_v2()
 
 
+@pytest.mark.parametrize("carried", ["stop_gradient", "argmax"])
+def test_v1_control_flow_no_gradient_reaches_is_read_not_copied(carried):
+    """TF1 control flow between xs and ys that no gradient passes through (a
+    loop over tf.stop_gradient(h), over an argmax index; Optimizer.minimize
+    of such a model under memsave.patch()) was refused where plain works
+    (found by a helper). Its outputs are read where the forward pass made
+    them; the rest is rewritten, with plain's gradients."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph, x, ws, hs, _ = _chain(8)
+        with graph.as_default():
+            if carried == "stop_gradient":
+                s = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, a * 0.9),
+                                  [0, tf.stop_gradient(hs[3])])[1]
+                loss = tf.reduce_sum(hs[-1] * s)
+            else:
+                idx = tf.argmax(hs[3], 1, output_type=tf.int32)
+                idx = tf.while_loop(lambda k, a: k < 3,
+                                    lambda k, a: (k + 1, (a + 1) % hs[-1].shape[1]), [0, idx])[1]
+                loss = tf.reduce_sum(tf.gather(hs[-1], idx, axis=1, batch_dims=1) ** 2)
+            plain = tf.gradients(loss, ws)
+            ours = [memsave.gradients(loss, ws, checkpoints=strategy, fallback=False,
+                                      min_checkpoint_size=0)
+                    for strategy in ("speed", "memory", "optimal", [hs[2], hs[5]])]
+            with memsave.patch(checkpoints=[hs[2], hs[5]], fallback=False):
+                ours.append(tf.gradients(loss, ws))
+        copied = [op for op in graph.get_operations() if op.name.startswith("memsave")]
+        assert copied and not any(op.type in ("Enter", "Exit", "Merge") for op in copied)
+        for grads in ours:
+            _run_equal(graph, plain, grads)
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+
+
 def test_v1_while_loop_upstream_of_the_region():
     """A TF1 loop that only feeds the region (a scale no x reaches) is a cycle
     in the graph (NextIteration feeds Merge): the audit's walk went round it

@@ -72,6 +72,30 @@ V1_CONTROL_FLOW = frozenset({
 V1_TENSOR_ARRAY = "TensorArray"
 
 
+def _is_v1_control_flow(op):
+    return op.type in V1_CONTROL_FLOW or op.type.startswith(V1_TENSOR_ARRAY)
+
+
+def _without_gradientless_v1_control_flow(ops, starts):
+    """``ops`` less the ops no gradient from an x reaches, where TF1 control
+    flow is among them (a loop over ``tf.stop_gradient(h)`` or over an
+    ``argmax`` index, ``Optimizer.minimize`` of such a model under
+    :func:`memsave.patch`). Their outputs are read where the forward pass
+    computed them, as the region's other inputs (a weight) are: nothing of
+    them is copied, and backprop stops at them as plain's does, where its
+    last gradient-carrying edge ends. TF1 control flow a gradient passes
+    through stays, and is refused (:func:`_refuse_v1_control_flow`)."""
+    if not any(_is_v1_control_flow(op) for op in ops):
+        return ops
+    reached = forward_ops(starts, within=ops,
+                          leaves=lambda t: carries_gradient(t) and has_gradient(t.op))
+    if any(_is_v1_control_flow(op) for op in reached):
+        return ops
+    logger.debug("memsave: TF1 control flow that no gradient reaches is left out of the "
+                 "region with %d other op(s) no gradient reaches", len(ops) - len(reached))
+    return reached
+
+
 def _refuse_v1_control_flow(ops):
     """Raise on TF1 control flow: copying it needs its control-flow contexts.
 
@@ -87,12 +111,11 @@ def _refuse_v1_control_flow(ops):
     array than the reads of the next (gradients 0.18-0.92 of the largest
     entry off plain's, with no error).
     """
-    found = sorted({op.type for op in ops if op.type in V1_CONTROL_FLOW
-                    or op.type.startswith(V1_TENSOR_ARRAY)})
+    found = sorted({op.type for op in ops if _is_v1_control_flow(op)})
     if found:
         raise V1ControlFlowError(
-            "memsave cannot recompute TF1 control flow (found %s ops between xs and "
-            "ys, from tf.compat.v1.disable_control_flow_v2() or a graph built "
+            "memsave cannot recompute TF1 control flow that a gradient passes through "
+            "(found %s ops between xs and ys, from tf.compat.v1.disable_control_flow_v2() or a graph built "
             "without control flow v2). Build the graph with control flow v2 "
             "(tf.compat.v1.enable_control_flow_v2(), the TF2 default) or use "
             "tf.gradients for this graph." % ", ".join(found))
@@ -145,7 +168,7 @@ def analyze(ys, xs, compiled=False, bounds_time=False):
     graph = ys[0].graph
     behind_ys = backward_ops([y.op for y in ys])
     starts = [c for x in xs for c in x.consumers() if c in behind_ys]
-    ops = forward_ops(starts, within=behind_ys)
+    ops = _without_gradientless_v1_control_flow(forward_ops(starts, within=behind_ys), starts)
     _refuse_v1_control_flow(ops)
     order = topo_order(ops)
     written = written_handles(graph, ops) if ops else {}

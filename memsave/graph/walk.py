@@ -67,18 +67,19 @@ def backward_ops(seeds, stop_at=(), within=None, control=False, stopped=None):
     return _walk(seeds, within, producers)
 
 
-def forward_ops(seeds, stop_at=(), within=None, control=False):
+def forward_ops(seeds, stop_at=(), within=None, control=False, leaves=None):
     """Ops reachable forward from ``seeds`` (seeds included).
 
     The walk does not leave through a tensor in ``stop_at`` (tensors, or a
-    set or dict of their refs); ops outside ``within`` (when given) are
-    neither included nor crossed.
+    set or dict of their refs), nor through one ``leaves(t)`` is false for
+    (when given); ops outside ``within`` (when given) are neither included
+    nor crossed.
     """
     stop = _stop_refs(stop_at)
 
     def consumers(op):
         for t in op.outputs:
-            if t.ref() not in stop:
+            if t.ref() not in stop and (leaves is None or leaves(t)):
                 yield from t.consumers()
         if control:
             yield from tf_internal.control_outputs(op)
