@@ -216,6 +216,14 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", stops_hold=False,
                 "cannot rewrite, so plain tf.gradients is used for this call"))
             return plain_gradients(ys, xs, _resolve_grad_ys(grad_ys, ys, graph), name=name,
                                    **tf_gradients_kwargs)
+        if tf_internal.in_v1_while_body(graph):
+            warn_once("gradients:v1-while", (
+                "memsave.gradients: called inside the body of a TF1 while loop "
+                "(tf.compat.v1.disable_control_flow_v2()), where memsave's copies, built "
+                "outside the loop's context, could not read its tensors; plain "
+                "tf.gradients is used for this call"))
+            return plain_gradients(ys, xs, _resolve_grad_ys(grad_ys, ys, graph), name=name,
+                                   **tf_gradients_kwargs)
         xs = _resolve_xs(xs, graph)
         grad_ys = _resolve_grad_ys(grad_ys, ys, graph)
 

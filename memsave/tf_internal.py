@@ -214,6 +214,10 @@ _SYMBOLS_TABLE = (
     # jit_compile=True), it or a graph enclosing it? tf.function marks the trace
     # with an XLA control-flow context; no public API reads it.
     ("graph_compiled_by_xla", "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext"),
+    # The TF1 while loop (a WhileContext) enclosing a control-flow context, or
+    # None; TF1 control-flow contexts have no public API.
+    ("containing_while_context",
+     "tensorflow.python.ops.control_flow_util.GetContainingWhileContext"),
     # XLA's optimization barrier (jax.lax.optimization_barrier; what
     # jax.checkpoint(prevent_cse=True) uses): XLA neither merges nor moves
     # computation across it. Only the compiler's generated wrapper builds it
@@ -263,7 +267,8 @@ _need_attributes((
                                     "_update_input")),
     ("tf.Operation()", lambda: _probe("op"), ("_gradient_function",)),
     ("tf.Graph", tf.Graph, ("_create_op_internal", "_mutation_lock", "_get_function",
-                            "_is_function", "_add_function_recursive")),
+                            "_is_function", "_add_function_recursive",
+                            "_get_control_flow_context")),
     ("tf.Graph()", lambda: _probe("graph"), ("_functions", "_add_control_dependencies")),
     ("RefVariable", _lookup("tensorflow.python.ops.ref_variable.RefVariable"), ("_ref",)),
     ("tf.GradientTape()", lambda: _probe("tape"),
@@ -497,6 +502,14 @@ def orders_stateful_ops_by_creation(graph):
     """True while ``graph`` is being traced with automatic control dependencies
     (a ``tf.function`` body): its stateful ops get ordered by creation."""
     return bool(getattr(graph, "_add_control_dependencies", False))
+
+
+def in_v1_while_body(graph):
+    """Whether ops built in ``graph`` now go into a TF1 while loop's body
+    (``tf.compat.v1.disable_control_flow_v2()``): the loop's context holds
+    them, and an op built outside it cannot read them."""
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    return containing_while_context(context) is not None
 
 
 def ref_variable_tensor(variable):

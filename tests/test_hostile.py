@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from memsave.log import reset_warnings
 from tests.builders import tanh_chain
 
 RTOL = 1e-5
@@ -645,6 +646,71 @@ def test_v1_control_flow_no_gradient_reaches_is_read_not_copied(carried):
         assert copied and not any(op.type in ("Enter", "Exit", "Merge") for op in copied)
         for grads in ours:
             _run_equal(graph, plain, grads)
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+
+
+def test_v1_control_flow_no_gradient_reaches_leaves_ys_it_alone_connects_none():
+    """ys that only a TF1 loop no gradient passes through connects to the xs:
+    plain's Nones, under every strategy ('memory' raised NoBottleneckError on
+    the rest of the region, found by a helper)."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph, x, ws, hs, _ = _chain(6)
+        with graph.as_default():
+            s = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, a * 0.9),
+                              [0, tf.stop_gradient(hs[3])])[1]
+            loss = tf.reduce_sum(s)
+            assert tf.gradients(loss, ws) == [None] * len(ws)
+            for strategy in ("speed", "memory", "optimal", [hs[2]]):
+                assert memsave.gradients(loss, ws, checkpoints=strategy, fallback=False,
+                                         min_checkpoint_size=0) == [None] * len(ws)
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory", [1, 3]])
+def test_gradients_inside_a_v1_while_body_are_plain(strategy, caplog):
+    """memsave.gradients built inside a TF1 while loop's body: its copies and
+    fences, built outside the loop's context, could not read the body's
+    tensors ("Cannot use 'while/Sum' as input to 'memsave_fence/while/Sum'
+    because 'while/Sum' is in a while loop", found by a helper). Plain
+    tf.gradients is used there, with a WARNING."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            rng = np.random.RandomState(0)
+            ws = [tf.constant(rng.randn(6, 6) * 0.5) for _ in range(6)]
+            x0 = tf.constant(rng.randn(4, 6))
+
+            def summed(differentiate):
+                def body(k, total):
+                    local = [w * 1.0 for w in ws]
+                    h, hs = x0 * tf.cast(k + 1, tf.float64), []
+                    for w in local:
+                        h = tf.tanh(tf.matmul(h, w))
+                        hs.append(h)
+                    grads = differentiate(tf.reduce_sum(h * h), local, hs)
+                    return k + 1, total + tf.add_n([tf.reduce_sum(g * g) for g in grads])
+                return tf.while_loop(lambda k, _: k < 2, body,
+                                     [0, tf.constant(0.0, tf.float64)])[1]
+
+            plain = summed(lambda y, xs, hs: tf.gradients(y, xs))
+            reset_warnings()
+            with caplog.at_level(logging.WARNING, logger="memsave"):
+                ours = summed(lambda y, xs, hs: memsave.gradients(
+                    y, xs, fallback=False, min_checkpoint_size=0,
+                    checkpoints=[hs[i] for i in strategy] if isinstance(strategy, list)
+                    else strategy))
+        assert any("TF1 while loop" in r.getMessage() for r in caplog.records)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            a, b = sess.run([plain, ours])
+        assert a > 0 and b == pytest.approx(a, rel=1e-12)
     finally:
         if was_v2:
             tf.compat.v1.enable_control_flow_v2()

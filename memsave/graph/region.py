@@ -76,24 +76,27 @@ def _is_v1_control_flow(op):
     return op.type in V1_CONTROL_FLOW or op.type.startswith(V1_TENSOR_ARRAY)
 
 
-def _without_gradientless_v1_control_flow(ops, starts):
-    """``ops`` less the ops no gradient from an x reaches, where TF1 control
+def _without_gradientless_v1_control_flow(ops, starts, ys):
+    """``ops`` on a path from an x to a y that gradients pass along, where TF1 control
     flow is among them (a loop over ``tf.stop_gradient(h)`` or over an
     ``argmax`` index, ``Optimizer.minimize`` of such a model under
     :func:`memsave.patch`). Their outputs are read where the forward pass
     computed them, as the region's other inputs (a weight) are: nothing of
     them is copied, and backprop stops at them as plain's does, where its
     last gradient-carrying edge ends. TF1 control flow a gradient passes
-    through stays, and is refused (:func:`_refuse_v1_control_flow`)."""
+    through stays, and is refused (:func:`_refuse_v1_control_flow`). ys that
+    only such control flow connects to the xs leave no region: their
+    gradients are None, as plain's are."""
     if not any(_is_v1_control_flow(op) for op in ops):
         return ops
     reached = forward_ops(starts, within=ops,
                           leaves=lambda t: carries_gradient(t) and has_gradient(t.op))
     if any(_is_v1_control_flow(op) for op in reached):
         return ops
+    kept = backward_ops([y.op for y in ys], within=reached)
     logger.debug("memsave: TF1 control flow that no gradient reaches is left out of the "
-                 "region with %d other op(s) no gradient reaches", len(ops) - len(reached))
-    return reached
+                 "region with %d other op(s) no gradient passes along", len(ops) - len(kept))
+    return kept
 
 
 def _refuse_v1_control_flow(ops):
@@ -168,7 +171,8 @@ def analyze(ys, xs, compiled=False, bounds_time=False):
     graph = ys[0].graph
     behind_ys = backward_ops([y.op for y in ys])
     starts = [c for x in xs for c in x.consumers() if c in behind_ys]
-    ops = _without_gradientless_v1_control_flow(forward_ops(starts, within=behind_ys), starts)
+    ops = _without_gradientless_v1_control_flow(forward_ops(starts, within=behind_ys), starts,
+                                                ys)
     _refuse_v1_control_flow(ops)
     order = topo_order(ops)
     written = written_handles(graph, ops) if ops else {}
