@@ -208,20 +208,7 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", stops_hold=False,
     if compiled:
         settings = _under_xla(settings)
     with graph.as_default():
-        if reaches_xs_through_captures(ys, xs, graph):
-            warn_once("gradients:captures", (
-                "memsave.gradients: the ys are in a function body (a cond branch or "
-                "a loop body) and read a tensor that the enclosing graph computes from "
-                "an x; tf.gradients differentiates through that capture, which memsave "
-                "cannot rewrite, so plain tf.gradients is used for this call"))
-            return plain_gradients(ys, xs, _resolve_grad_ys(grad_ys, ys, graph), name=name,
-                                   **tf_gradients_kwargs)
-        if tf_internal.in_v1_while_body(graph):
-            warn_once("gradients:v1-while", (
-                "memsave.gradients: called inside the body of a TF1 while loop "
-                "(tf.compat.v1.disable_control_flow_v2()), where memsave's copies, built "
-                "outside the loop's context, could not read its tensors; plain "
-                "tf.gradients is used for this call"))
+        if _only_plain_can(ys, xs, graph):
             return plain_gradients(ys, xs, _resolve_grad_ys(grad_ys, ys, graph), name=name,
                                    **tf_gradients_kwargs)
         xs = _resolve_xs(xs, graph)
@@ -258,6 +245,26 @@ def differentiate(ys, xs, grad_ys, settings, name="gradients", stops_hold=False,
                 return plain()
             return _rewritten(region, chosen, settings, grad_ys, compiled, name,
                               tf_gradients_kwargs)
+
+
+def _only_plain_can(ys, xs, graph):
+    """Whether this call is one plain ``tf.gradients`` can take and memsave's
+    rewrite cannot (a WARNING, once, says why)."""
+    if reaches_xs_through_captures(ys, xs, graph):
+        warn_once("gradients:captures", (
+            "memsave.gradients: the ys are in a function body (a cond branch or "
+            "a loop body) and read a tensor that the enclosing graph computes from "
+            "an x; tf.gradients differentiates through that capture, which memsave "
+            "cannot rewrite, so plain tf.gradients is used for this call"))
+        return True
+    if tf_internal.in_v1_while_body(graph):
+        warn_once("gradients:v1-while", (
+            "memsave.gradients: called inside the body of a TF1 while loop "
+            "(tf.compat.v1.disable_control_flow_v2()), where memsave's copies, built "
+            "outside the loop's context, could not read its tensors; plain "
+            "tf.gradients is used for this call"))
+        return True
+    return False
 
 
 @contextlib.contextmanager
