@@ -630,25 +630,29 @@ def _add_region_tensors(g, region, reads, marks, shape_of, batch_size, compiled)
     """Add every region op's outputs in topological order, with edges from the
     op's region (or x) inputs; returns how many have a shape not fully known.
 
-    Scratch of a backward op: a loop's accumulators, an XLA-compiled call's
-    buffers (where the step itself is not compiled: XLA then inlines the
-    call and plans its buffers with the step's)."""
+    Scratch of a backward op: an XLA-compiled call's buffers (where the
+    step itself is not compiled: XLA then inlines the call and plans its
+    buffers with the step's). State kept for a backward op: a loop's
+    accumulators, on its first output a gradient comes back along."""
     x_names = {x.name for x in region.leaf_xs}
     index, unknown = 0, 0
     for op in region.order:
         cost = op_cost(op, shape_of)
         kind = optable.flags(op.type)
+        scratch = state = 0
         if functions.is_loop(op):
-            scratch = loop_accumulators(op, batch_size)
-        else:
-            scratch = 0 if compiled else compiled_calls.gradient_scratch(
+            state = loop_accumulators(op, batch_size)
+        elif not compiled:
+            scratch = compiled_calls.gradient_scratch(
                 op, shape_of, lambda t: bool(t.consumers()) or t.name in marks.ys)
+        holder = next((t for t in op.outputs if carries_gradient(t) and (
+            t.name in marks.ys or any(c in region.ops for c in t.consumers()))), None)
         for k, t in enumerate(op.outputs):
             shape = shape_of(t)
             forwarded = optable.forwarded_input(op, k)
             g.add_tensor(t.name, order=index, shares_buffer=(
                 forwarded.name if forwarded is not None and g.has_node(forwarded.name)
-                else None), scratch_bytes=scratch,
+                else None), scratch_bytes=scratch, state_bytes=state if t is holder else 0,
                 **_output_fields(t, op, shape, cost, kind, reads, marks, region, batch_size))
             index += 1
             if not shape.is_fully_defined() and not optable.kernel_sized(op, k):
@@ -664,15 +668,17 @@ def loop_accumulators(op, batch_size=None):
     the body tensors the body's gradient reads onto TensorLists (outputs the
     gradient adds to the loop), which live until the loop's gradient has run.
     They are not among the loop's outputs when the region is planned, so they
-    count as scratch of the loop's backward (see TensorNode.scratch_bytes):
-    a Keras LSTM (batch 32, 100 steps, 128 units) was estimated at 0.1 MiB
-    without them and 11.7 with them; the meter reads 12.5 or 20.7 between
-    runs. 0 where the trip count is not known statically.
+    count as state its backward keeps (see TensorNode.state_bytes): a Keras
+    LSTM (batch 32, 100 steps, 128 units) was estimated at 0.1 MiB without
+    them and 11.7 with them; the meter reads 12.5 or 20.7 between runs. 0
+    where the trip count is not known statically.
 
-    That is where a rewritten step holds them: each differentiated copy of a
-    loop makes its own, in its segment. Plain backprop holds every loop's
-    from the forward pass, so stacked loops' overlap and plain's estimate
-    runs low (Keras LSTM + GRU: 15.6 MiB estimated, 28 measured).
+    Each differentiated copy of a loop makes its own, from its segment's
+    recomputation to the loop's backward; plain backprop holds every loop's
+    from the forward pass. Counted as scratch of the loop's backward alone,
+    stacked loops' did not overlap, and plain's estimate ran low (three
+    Keras LSTMs of 256 units over 128 steps: 24 MiB estimated, 100-133
+    measured), and so did plans that recompute several loops in one segment.
 
     Counted: per iteration, the body tensors some body op's gradient reads
     (:func:`grad_reads`) that change from one iteration to the next. TF

@@ -58,6 +58,11 @@ class TensorNode:
     gradients it makes and frees when done (kernel scratch, an XLA-compiled
     call's buffers). Only a measurement knows it: a byte budget's loop sets
     it from a profiled step (see :mod:`memsave.budget`).
+
+    ``state_bytes``: what its producer keeps for its own backward beyond
+    its outputs (a while loop's accumulators), held from when the producer
+    runs (kept: the forward pass; recomputed: its segment's recomputation)
+    until its backward. Set on one output of the producer.
     """
 
     order: int
@@ -80,6 +85,7 @@ class TensorNode:
     grad_bytes: typing.Optional[int] = None
     shares_buffer: typing.Optional[str] = None
     scratch_bytes: int = 0
+    state_bytes: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -93,9 +99,10 @@ class TensorNode:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):
                 raise PlanGraphError("%s must be None or an int >= 0, got %r" % (name, value))
-        if (isinstance(self.scratch_bytes, bool) or not isinstance(self.scratch_bytes, int)
-                or self.scratch_bytes < 0):
-            raise PlanGraphError("scratch_bytes must be an int >= 0, got %r" % (self.scratch_bytes,))
+        for name in ("scratch_bytes", "state_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanGraphError("%s must be an int >= 0, got %r" % (name, value))
         if self.shares_buffer is not None and not isinstance(self.shares_buffer, str):
             raise PlanGraphError("shares_buffer must be None or a tensor name, got %r"
                                  % (self.shares_buffer,))

@@ -52,8 +52,8 @@ from memsave.planning.rules import reducer_runs_first
 # and grows the same kept sets several times.
 Prepared = collections.namedtuple(
     "Prepared",
-    "names index size saved reads_output preds ys forced early aliases pieces scratch owner "
-    "passes live reads_inputs cost memo")
+    "names index size saved reads_output preds ys forced early aliases pieces scratch state "
+    "owner passes live reads_inputs cost memo")
 
 
 def _buffer_owners(graph, names, index):
@@ -120,6 +120,7 @@ def prepare(graph):
     early = _freed_early(graph, names, size, saved, preds, owner)
     aliases, pieces = _gradient_pieces(graph, names, index)
     scratch = [graph.nodes[n]["scratch_bytes"] for n in names]
+    state = [graph.nodes[n].get("state_bytes", 0) for n in names]
     # What a gradient reaches from the ys: a kept tensor off every path to
     # them (an output nothing consumes) has no backward segment.
     live = [False] * len(names)
@@ -127,7 +128,7 @@ def prepare(graph):
         live[i] = graph.nodes[names[i]]["y"] or any(
             live[index[c]] for c in graph.successors(names[i]) if c in index)
     return Prepared(names, index, size, saved, reads_output, preds, ys, forced, early, aliases,
-                    pieces, scratch, owner, passes, live,
+                    pieces, scratch, state, owner, passes, live,
                     [graph.nodes[n]["grad_reads_inputs"] for n in names],
                     [graph.nodes[n]["cost"] for n in names], {})
 
@@ -500,6 +501,9 @@ class _Backward:
         # freed with the last of them.
         self.holders = collections.Counter(p.owner[n] for n in held if p.owner[n] >= 0)
         self.alive_kept = sum(p.size[o] for o in self.holders)
+        # State a kept node's producer keeps for its backward (a loop's
+        # accumulators) is made by the forward pass and freed by that backward.
+        self.alive_kept += sum(p.state[k] for k in kept)
         self.grad_sums = {}
         self.freed = set()
         self.peak = self.alive_kept
@@ -532,6 +536,8 @@ class _Backward:
         self.buffers = {p.owner[n] for n in members if p.saved[n] and n not in kept} & (
             set(members) - kept)
         self.saved = sum(size[o] for o in self.buffers)
+        # A recomputed member's state lives from the recomputation to its backward.
+        self.saved += sum(p.state[n] for n in members if n not in kept)
         self.freed = set()
         # A kept boundary node's running sum becomes the gradient in flight.
         self.flight = flight = {}
@@ -605,6 +611,11 @@ class _Backward:
         if n in self.buffers and n not in self.freed:
             self.saved -= size[n]
             self.freed.add(n)
+        if p.state[n]:
+            if n in kept:
+                self.alive_kept -= p.state[n]
+            else:
+                self.saved -= p.state[n]
         if n in self.own:
             self.release(n)
 
