@@ -118,7 +118,8 @@ def _refuse_v1_control_flow(ops):
     if found:
         raise V1ControlFlowError(
             "memsave cannot recompute TF1 control flow that a gradient passes through "
-            "(found %s ops between xs and ys, from tf.compat.v1.disable_control_flow_v2() or a graph built "
+            "(found %s ops between xs and ys, from "
+            "tf.compat.v1.disable_control_flow_v2() or a graph built "
             "without control flow v2). Build the graph with control flow v2 "
             "(tf.compat.v1.enable_control_flow_v2(), the TF2 default) or use "
             "tf.gradients for this graph." % ", ".join(found))
@@ -645,7 +646,7 @@ def _add_region_tensors(g, region, reads, marks, shape_of, batch_size, compiled)
         elif not compiled:
             scratch = compiled_calls.gradient_scratch(
                 op, shape_of, lambda t: bool(t.consumers()) or t.name in marks.ys)
-        holder = next((t for t in op.outputs if carries_gradient(t) and (
+        holder = state and next((t for t in op.outputs if carries_gradient(t) and (
             t.name in marks.ys or any(c in region.ops for c in t.consumers()))), None)
         for k, t in enumerate(op.outputs):
             shape = shape_of(t)
