@@ -23,6 +23,16 @@ from tests.builders import tanh_chain
 RTOL = 1e-5
 
 
+@pytest.fixture
+def v1_control_flow():
+    """TF1 control flow (``disable_control_flow_v2()``) for the test, as it was after."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    yield
+    if was_v2:
+        tf.compat.v1.enable_control_flow_v2()
+
+
 def _chain(n=6, graph=None):
     c = tanh_chain(n, scale=0.4, graph=graph)
     return c.graph, c.x, c.ws, c.hs, c.loss
@@ -587,153 +597,123 @@ def test_reference_variables_as_xs(strategy):
 
 
 @pytest.mark.parametrize("structure", ["cond", "while", "tensor_array"])
-def test_v1_control_flow_raises_clearly(structure):
+def test_v1_control_flow_raises_clearly(v1_control_flow, structure):
     """TF1 control flow cannot be copied piecewise: a clear error, never None.
     Nor a TF1 TensorArray without a loop: its gradients gather in a gradient
     array named per tf.gradients call, and memsave's segments are several
     calls (0.18-0.92 of the largest entry off plain's, found by a helper)."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        graph, x, ws, hs, _ = _chain()
-        with graph.as_default():
-            h = hs[2]
-            if structure == "cond":
-                h = tf.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h @ ws[3]), lambda: h * 2.0)
-            elif structure == "while":
-                h = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.tanh(a @ ws[3])),
-                                  [0, h])[1]
-            else:
-                rows = tf.TensorArray(h.dtype, size=h.shape[0], clear_after_read=False).unstack(h)
-                h = tf.tanh(rows.stack() @ ws[3]) * (rows.read(1) * 2.0 + rows.read(0))
-            loss = tf.reduce_sum(tf.tanh(h @ ws[4]))
-            for strategy in ("speed", "memory", "optimal", "collection"):
-                with pytest.raises(memsave.V1ControlFlowError, match="TF1 control flow"):
-                    memsave.gradients(loss, ws, checkpoints=strategy, min_checkpoint_size=0)
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
+    graph, x, ws, hs, _ = _chain()
+    with graph.as_default():
+        h = hs[2]
+        if structure == "cond":
+            h = tf.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h @ ws[3]), lambda: h * 2.0)
+        elif structure == "while":
+            h = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.tanh(a @ ws[3])),
+                              [0, h])[1]
+        else:
+            rows = tf.TensorArray(h.dtype, size=h.shape[0], clear_after_read=False).unstack(h)
+            h = tf.tanh(rows.stack() @ ws[3]) * (rows.read(1) * 2.0 + rows.read(0))
+        loss = tf.reduce_sum(tf.tanh(h @ ws[4]))
+        for strategy in ("speed", "memory", "optimal", "collection"):
+            with pytest.raises(memsave.V1ControlFlowError, match="TF1 control flow"):
+                memsave.gradients(loss, ws, checkpoints=strategy, min_checkpoint_size=0)
 
 
 @pytest.mark.parametrize("carried", ["stop_gradient", "argmax"])
-def test_v1_control_flow_no_gradient_reaches_is_read_not_copied(carried):
+def test_v1_control_flow_no_gradient_reaches_is_read_not_copied(v1_control_flow, carried):
     """TF1 control flow between xs and ys that no gradient passes through (a
     loop over tf.stop_gradient(h), over an argmax index; Optimizer.minimize
     of such a model under memsave.patch()) was refused where plain works
     (found by a helper). Its outputs are read where the forward pass made
     them; the rest is rewritten, with plain's gradients."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        graph, x, ws, hs, _ = _chain(8)
-        with graph.as_default():
-            if carried == "stop_gradient":
-                s = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, a * 0.9),
-                                  [0, tf.stop_gradient(hs[3])])[1]
-                loss = tf.reduce_sum(hs[-1] * s)
-            else:
-                idx = tf.argmax(hs[3], 1, output_type=tf.int32)
-                idx = tf.while_loop(lambda k, a: k < 3,
-                                    lambda k, a: (k + 1, (a + 1) % hs[-1].shape[1]), [0, idx])[1]
-                loss = tf.reduce_sum(tf.gather(hs[-1], idx, axis=1, batch_dims=1) ** 2)
-            plain = tf.gradients(loss, ws)
-            ours = [memsave.gradients(loss, ws, checkpoints=strategy, fallback=False,
-                                      min_checkpoint_size=0)
-                    for strategy in ("speed", "memory", "optimal", [hs[2], hs[5]])]
-            with memsave.patch(checkpoints=[hs[2], hs[5]], fallback=False):
-                ours.append(tf.gradients(loss, ws))
-        copied = [op for op in graph.get_operations() if op.name.startswith("memsave")]
-        assert copied and not any(op.type in ("Enter", "Exit", "Merge") for op in copied)
-        for grads in ours:
-            _run_equal(graph, plain, grads)
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
+    graph, x, ws, hs, _ = _chain(8)
+    with graph.as_default():
+        if carried == "stop_gradient":
+            s = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, a * 0.9),
+                              [0, tf.stop_gradient(hs[3])])[1]
+            loss = tf.reduce_sum(hs[-1] * s)
+        else:
+            idx = tf.argmax(hs[3], 1, output_type=tf.int32)
+            idx = tf.while_loop(lambda k, a: k < 3,
+                                lambda k, a: (k + 1, (a + 1) % hs[-1].shape[1]), [0, idx])[1]
+            loss = tf.reduce_sum(tf.gather(hs[-1], idx, axis=1, batch_dims=1) ** 2)
+        plain = tf.gradients(loss, ws)
+        ours = [memsave.gradients(loss, ws, checkpoints=strategy, fallback=False,
+                                  min_checkpoint_size=0)
+                for strategy in ("speed", "memory", "optimal", [hs[2], hs[5]])]
+        with memsave.patch(checkpoints=[hs[2], hs[5]], fallback=False):
+            ours.append(tf.gradients(loss, ws))
+    copied = [op for op in graph.get_operations() if op.name.startswith("memsave")]
+    assert copied and not any(op.type in ("Enter", "Exit", "Merge") for op in copied)
+    for grads in ours:
+        _run_equal(graph, plain, grads)
 
 
-def test_v1_control_flow_no_gradient_reaches_leaves_ys_it_alone_connects_none():
+def test_v1_control_flow_no_gradient_reaches_leaves_ys_it_alone_connects_none(v1_control_flow):
     """ys that only a TF1 loop no gradient passes through connects to the xs:
     plain's Nones, under every strategy ('memory' raised NoBottleneckError on
     the rest of the region, found by a helper)."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        graph, x, ws, hs, _ = _chain(6)
-        with graph.as_default():
-            s = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, a * 0.9),
-                              [0, tf.stop_gradient(hs[3])])[1]
-            loss = tf.reduce_sum(s)
-            assert tf.gradients(loss, ws) == [None] * len(ws)
-            for strategy in ("speed", "memory", "optimal", [hs[2]]):
-                assert memsave.gradients(loss, ws, checkpoints=strategy, fallback=False,
-                                         min_checkpoint_size=0) == [None] * len(ws)
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
+    graph, x, ws, hs, _ = _chain(6)
+    with graph.as_default():
+        s = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, a * 0.9),
+                          [0, tf.stop_gradient(hs[3])])[1]
+        loss = tf.reduce_sum(s)
+        assert tf.gradients(loss, ws) == [None] * len(ws)
+        for strategy in ("speed", "memory", "optimal", [hs[2]]):
+            assert memsave.gradients(loss, ws, checkpoints=strategy, fallback=False,
+                                     min_checkpoint_size=0) == [None] * len(ws)
 
 
 @pytest.mark.parametrize("strategy", ["speed", "memory", [1, 3]])
-def test_gradients_inside_a_v1_while_body_are_plain(strategy, caplog):
+def test_gradients_inside_a_v1_while_body_are_plain(v1_control_flow, strategy, caplog):
     """memsave.gradients built inside a TF1 while loop's body: its copies and
     fences, built outside the loop's context, could not read the body's
     tensors ("Cannot use 'while/Sum' as input to 'memsave_fence/while/Sum'
     because 'while/Sum' is in a while loop", found by a helper). Plain
     tf.gradients is used there, with a WARNING."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        graph = tf.Graph()
-        with graph.as_default():
-            rng = np.random.RandomState(0)
-            ws = [tf.constant(rng.randn(6, 6) * 0.5) for _ in range(6)]
-            x0 = tf.constant(rng.randn(4, 6))
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        ws = [tf.constant(rng.randn(6, 6) * 0.5) for _ in range(6)]
+        x0 = tf.constant(rng.randn(4, 6))
 
-            def summed(differentiate):
-                def body(k, total):
-                    local = [w * 1.0 for w in ws]
-                    h, hs = x0 * tf.cast(k + 1, tf.float64), []
-                    for w in local:
-                        h = tf.tanh(tf.matmul(h, w))
-                        hs.append(h)
-                    grads = differentiate(tf.reduce_sum(h * h), local, hs)
-                    return k + 1, total + tf.add_n([tf.reduce_sum(g * g) for g in grads])
-                return tf.while_loop(lambda k, _: k < 2, body,
-                                     [0, tf.constant(0.0, tf.float64)])[1]
+        def summed(differentiate):
+            def body(k, total):
+                local = [w * 1.0 for w in ws]
+                h, hs = x0 * tf.cast(k + 1, tf.float64), []
+                for w in local:
+                    h = tf.tanh(tf.matmul(h, w))
+                    hs.append(h)
+                grads = differentiate(tf.reduce_sum(h * h), local, hs)
+                return k + 1, total + tf.add_n([tf.reduce_sum(g * g) for g in grads])
+            return tf.while_loop(lambda k, _: k < 2, body,
+                                 [0, tf.constant(0.0, tf.float64)])[1]
 
-            plain = summed(lambda y, xs, hs: tf.gradients(y, xs))
-            reset_warnings()
-            with caplog.at_level(logging.WARNING, logger="memsave"):
-                ours = summed(lambda y, xs, hs: memsave.gradients(
-                    y, xs, fallback=False, min_checkpoint_size=0,
-                    checkpoints=[hs[i] for i in strategy] if isinstance(strategy, list)
-                    else strategy))
-        assert any("TF1 while loop" in r.getMessage() for r in caplog.records)
-        with tf.compat.v1.Session(graph=graph) as sess:
-            a, b = sess.run([plain, ours])
-        assert a > 0 and b == pytest.approx(a, rel=1e-12)
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
+        plain = summed(lambda y, xs, hs: tf.gradients(y, xs))
+        reset_warnings()
+        with caplog.at_level(logging.WARNING, logger="memsave"):
+            ours = summed(lambda y, xs, hs: memsave.gradients(
+                y, xs, fallback=False, min_checkpoint_size=0,
+                checkpoints=[hs[i] for i in strategy] if isinstance(strategy, list)
+                else strategy))
+    assert any("TF1 while loop" in r.getMessage() for r in caplog.records)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        a, b = sess.run([plain, ours])
+    assert a > 0 and b == pytest.approx(a, rel=1e-12)
 
 
-def test_v1_while_loop_upstream_of_the_region():
+def test_v1_while_loop_upstream_of_the_region(v1_control_flow):
     """A TF1 loop that only feeds the region (a scale no x reaches) is a cycle
     in the graph (NextIteration feeds Merge): the audit's walk went round it
     forever. Nothing of it is differentiated: plain's gradients."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        graph, x, ws, hs, _ = _chain()
-        with graph.as_default():
-            scale = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 0.9),
-                                  [0, tf.constant(1.0, hs[0].dtype)])[1]
-            loss = tf.reduce_sum(tf.tanh(hs[-1] * scale))
-            plain = tf.gradients(loss, ws)
-            ours = memsave.gradients(loss, ws, checkpoints=[hs[2]])
-        _run_equal(graph, plain, ours)
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
+    graph, x, ws, hs, _ = _chain()
+    with graph.as_default():
+        scale = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 0.9),
+                              [0, tf.constant(1.0, hs[0].dtype)])[1]
+        loss = tf.reduce_sum(tf.tanh(hs[-1] * scale))
+        plain = tf.gradients(loss, ws)
+        ours = memsave.gradients(loss, ws, checkpoints=[hs[2]])
+    _run_equal(graph, plain, ours)
 
 
 # ------------------------------------------------------------------ the None-pattern guard
